@@ -1,0 +1,168 @@
+"""Save the final adapter safely and prove it is complete.
+
+A silently empty adapter after hours of GPU time is the worst failure this tool can have, so every save is checked
+against what the adapter *should* hold, computed independently from the base model's config on the meta device
+(no weights, so it costs the same for a 70B as for the tiny model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import compat
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+class AdapterCheckError(RuntimeError):
+    pass
+
+
+@dataclass
+class AdapterReport:
+    adapter_dir: str
+    tensors: int = 0
+    lora_tensors: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        status = "OK" if self.ok else "FAILED"
+        head = f"adapter check {status}: {self.adapter_dir}: {self.tensors} tensors ({self.lora_tensors} LoRA)"
+        return head + "".join(f"\n  - {p}" for p in self.problems)
+
+
+def expected_adapter_tensors(adapter_dir: str, trust_remote_code: bool = False) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of every tensor a correct adapter_model.safetensors in `adapter_dir` must hold.
+
+    Built from the base model's config (meta device) and the saved adapter_config.json, with PEFT's own state-dict
+    logic on an unwrapped model, so FSDP naming bugs cannot hide a missing tensor here.
+    """
+    from peft import PeftConfig, get_peft_model, get_peft_model_state_dict
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    peft_config = PeftConfig.from_pretrained(adapter_dir)
+    base_config = AutoConfig.from_pretrained(peft_config.base_model_name_or_path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(base_config, trust_remote_code=trust_remote_code)
+    # Embedding rows the run added are saved with the adapter: size the meta model like the saved tensors.
+    with safe_open(os.path.join(adapter_dir, ADAPTER_WEIGHTS), framework="pt") as f:
+        saved_rows = [f.get_slice(k).get_shape()[0] for k in f.keys() if k.endswith("embed_tokens.weight")]
+    if saved_rows and saved_rows[0] != base.get_input_embeddings().weight.shape[0]:
+        base.resize_token_embeddings(saved_rows[0], mean_resizing=False)
+    peft_config.inference_mode = False
+    with torch.device("meta"):
+        model = get_peft_model(base, peft_config)
+    state = get_peft_model_state_dict(model, save_embedding_layers=bool(saved_rows))
+    return {k: tuple(v.shape) for k, v in state.items()}
+
+
+def check_adapter(adapter_dir: str, *, trained: bool = True, trust_remote_code: bool = False) -> AdapterReport:
+    """Verify a saved adapter folder: files, every expected tensor with its shape, finite values, lora_B moved."""
+    from safetensors import safe_open
+
+    report = AdapterReport(adapter_dir)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not os.path.isfile(os.path.join(adapter_dir, name)):
+            report.problems.append(f"{name} is missing")
+    if report.problems:
+        return report
+    try:
+        expected = expected_adapter_tensors(adapter_dir, trust_remote_code)
+    except Exception as e:  # unreadable config or base model config
+        report.problems.append(f"could not compute the expected tensors ({type(e).__name__}: {e})")
+        return report
+    zero_b: list[str] = []
+    with safe_open(os.path.join(adapter_dir, ADAPTER_WEIGHTS), framework="pt") as f:
+        saved = set(f.keys())
+        report.tensors = len(saved)
+        report.lora_tensors = sum(".lora_" in k for k in saved)
+        missing = sorted(set(expected) - saved)
+        unexpected = sorted(saved - set(expected))
+        if missing:
+            report.problems.append(f"{len(missing)} of {len(expected)} expected tensors are missing, e.g. {missing[:3]}")
+        if unexpected:
+            report.problems.append(f"{len(unexpected)} tensors the adapter config does not explain, e.g. {unexpected[:3]}")
+        for key in sorted(saved & set(expected)):
+            tensor = f.get_tensor(key)
+            if tuple(tensor.shape) != expected[key]:
+                report.problems.append(f"{key}: shape {tuple(tensor.shape)}, expected {expected[key]}")
+            if not torch.isfinite(tensor.float()).all():
+                report.problems.append(f"{key}: holds NaN or inf")
+            if trained and ".lora_B" in key and not tensor.any():
+                zero_b.append(key)
+    if not expected:
+        report.problems.append("the adapter config matches no module of the base model (no LoRA tensors expected)")
+    if zero_b:
+        report.problems.append(f"{len(zero_b)} lora_B tensors are all zeros after training (never updated), "
+                               f"e.g. {zero_b[:3]}")
+    return report
+
+
+def save_final_adapter(trainer, output_dir: str, *, verify: bool = True, trust_remote_code: bool = False) -> None:
+    """Collective: every rank calls it. Gather the full adapter, write it atomically to `output_dir`, check it.
+
+    The files are written to a temporary folder inside `output_dir`, checked there, then moved into place, so a crash
+    or a failed check never replaces a previous good adapter with a broken one. A failed check leaves the files in
+    `output_dir/adapter-FAILED-CHECK/` for inspection and raises.
+    """
+    accelerator = trainer.accelerator
+    state_dict = compat.gather_full_state_dict(accelerator, trainer.model_wrapped)
+    if accelerator.is_main_process:
+        _write_and_check(trainer, state_dict, output_dir, verify, trust_remote_code)
+    accelerator.wait_for_everyone()
+
+
+def _count_lora_keys(state_dict: dict) -> int:
+    return sum(".lora_" in k for k in state_dict)
+
+
+def _write_and_check(trainer, state_dict, output_dir: str, verify: bool, trust_remote_code: bool) -> None:
+    from peft import PeftModel, get_peft_model_state_dict
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    out = Path(output_dir)
+    tmp = out / f".adapter-writing-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if isinstance(model, PeftModel):
+        # Always save through clean module names (a no-op for unwrapped names); say when it mattered, so the
+        # workaround can be dropped once peft stops needing it.
+        plain = _count_lora_keys(get_peft_model_state_dict(model, state_dict=state_dict))
+        with compat.module_names_without_fsdp_segments(model):
+            fixed = _count_lora_keys(get_peft_model_state_dict(model, state_dict=state_dict))
+            if fixed > plain:
+                logger.warning("adapter keys needed the FSDP1 name fix: peft found %d LoRA tensors, %d with clean "
+                               "module names (peft 0.21 bug, see compat.py)", plain, fixed)
+            model.save_pretrained(str(tmp), state_dict=state_dict)
+    else:
+        model.save_pretrained(str(tmp), state_dict=state_dict)
+    if trainer.processing_class is not None:
+        trainer.processing_class.save_pretrained(str(tmp))
+
+    if verify and isinstance(model, PeftModel):
+        report = check_adapter(str(tmp), trust_remote_code=trust_remote_code)
+        logger.info(report.summary())
+        print(report.summary(), flush=True)
+        if not report.ok:
+            failed = out / "adapter-FAILED-CHECK"
+            shutil.rmtree(failed, ignore_errors=True)
+            os.replace(tmp, failed)
+            raise AdapterCheckError(f"{report.summary()}\nThe files are kept in {failed} for inspection.")
+    for item in tmp.iterdir():
+        os.replace(item, out / item.name)
+    tmp.rmdir()

@@ -1,0 +1,147 @@
+"""Workarounds for library bugs and gaps, one function each.
+
+Each says which bug, how it shows, and how to tell when it can go. Nothing else in the recipe patches a library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from typing import Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_FSDP_WRAPPER_SEGMENT = re.compile(r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def fsdp_requested() -> bool:
+    """`accelerate launch` with an FSDP config exports ACCELERATE_USE_FSDP=true to every rank."""
+    return _env_flag("ACCELERATE_USE_FSDP")
+
+
+def fsdp_on_cpu_requested() -> bool:
+    return fsdp_requested() and _env_flag("ACCELERATE_USE_CPU")
+
+
+def enable_fsdp_on_cpu() -> bool:
+    """Make an FSDP launch on a CPU machine really run FSDP (over gloo) instead of silently running DDP.
+
+    Bug (accelerate 1.15): `AcceleratorState` only promotes GPU-like distributed types to FSDP, so with the CPU
+    switch on, `distributed_type: FSDP` becomes `MULTI_CPU` (DDP) with exit code 0. The launcher also drops the
+    config's `use_cpu: true` for FSDP configs, hence the switch is accelerate's own environment variable
+    `ACCELERATE_USE_CPU=true`, which transformers' TrainingArguments also reads.
+    Fix here: after AcceleratorState is built, promote it (and PartialState, which shares the fields) to FSDP with
+    the plain `cpu` device (FSDP1 rejects `cpu:0`: "Inconsistent compute device and `device_id`").
+    When it can go: `ACCELERATE_USE_CPU=true accelerate launch --config_file configs/cpu/fsdp_config.yaml ...`
+    reports `DistributedType.FSDP` without this patch.
+
+    Returns True when the patch was installed. Raises when FSDP is asked on a machine with no GPU and no CPU switch,
+    rather than letting accelerate run something else.
+    """
+    if not fsdp_requested():
+        return False
+    if not _env_flag("ACCELERATE_USE_CPU"):
+        if torch.cuda.is_available():
+            return False
+        from .args import ConfigError
+
+        raise ConfigError([
+            "the accelerate config asks for FSDP but this machine has no CUDA GPU. Fix: to run FSDP on the CPU "
+            "(gloo), launch with ACCELERATE_USE_CPU=true and a CPU config, e.g. `ACCELERATE_USE_CPU=true accelerate "
+            "launch --config_file configs/cpu/fsdp_config.yaml train.py ...`."
+        ])
+
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    if getattr(AcceleratorState.__init__, "_sft_recipe_fsdp_on_cpu", False):
+        return True
+    original_init = AcceleratorState.__init__
+
+    def init_then_promote(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        plugin = kwargs.get("fsdp_plugin")
+        if self.distributed_type == DistributedType.MULTI_CPU and plugin is not None:
+            if self._mixed_precision != "no":
+                plugin.set_mixed_precision(self._mixed_precision)
+            cpu = torch.device("cpu")
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = plugin
+            self.device = cpu
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            PartialState._shared_state["device"] = cpu
+
+    init_then_promote._sft_recipe_fsdp_on_cpu = True
+    AcceleratorState.__init__ = init_then_promote
+    return True
+
+
+def strip_wrapper_segments(name: str) -> str:
+    """'base_model.model.layers.0._fsdp_wrapped_module.self_attn' -> 'base_model.model.layers.0.self_attn'."""
+    previous = None
+    while previous != name:
+        previous, name = name, _FSDP_WRAPPER_SEGMENT.sub(r"\1", name)
+    return name
+
+
+@contextlib.contextmanager
+def module_names_without_fsdp_segments(peft_model) -> Iterator[None]:
+    """Make `peft_model.named_modules()` report names without FSDP1/checkpoint wrapper segments.
+
+    Bug (peft 0.21.x, not 0.20.0): `get_peft_model_state_dict` finds the LoRA keys from module names and strips only a
+    *leading* `_fsdp_wrapped_module.`; FSDP1 TRANSFORMER_BASED_WRAP nests it mid-path
+    (`...layers.0._fsdp_wrapped_module.self_attn...`), so no key matches and the adapter is saved EMPTY (a 40-byte
+    safetensors, exit code 0). The gathered FULL_STATE_DICT keys are already clean, so reporting clean module names
+    makes them match again.
+    When it can go: `tests/e2e` logs "adapter keys needed the FSDP1 name fix" for FSDP1 runs; when it stops appearing
+    with a newer peft, delete this and its single caller.
+    """
+    original = peft_model.named_modules
+
+    def clean_named_modules(*args, **kwargs):
+        for name, module in original(*args, **kwargs):
+            yield strip_wrapper_segments(name), module
+
+    peft_model.named_modules = clean_named_modules
+    try:
+        yield
+    finally:
+        del peft_model.named_modules
+
+
+def gather_full_state_dict(accelerator, wrapped_model) -> dict[str, torch.Tensor]:
+    """Collective: every rank must call it. Returns the full, unsharded state dict on the main process ({} elsewhere).
+
+    Bug (accelerate 1.15): `Accelerator.get_state_dict` for FSDP1 hard-codes `offload_to_cpu=True`; when the compute
+    device is already the CPU, FSDP frees the unsharded storage it then reads, and the save dies with
+    "setStorage: ... out of bounds for storage of size 0". So the offload is only asked for on a GPU.
+    When it can go: accelerate passes `offload_to_cpu` only for non-CPU devices (or FSDP1 tolerates it on CPU).
+    """
+    state = accelerator.state
+    plugin = getattr(state, "fsdp_plugin", None)
+    if plugin is None:
+        return accelerator.get_state_dict(wrapped_model) or {}
+    on_gpu = accelerator.device.type != "cpu"
+    if plugin.fsdp_version == 2:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state_dict = get_model_state_dict(wrapped_model, options=options)
+    else:
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        config = FullStateDictConfig(offload_to_cpu=on_gpu, rank0_only=True)
+        with FSDP.state_dict_type(wrapped_model, StateDictType.FULL_STATE_DICT, config):
+            state_dict = wrapped_model.state_dict()
+    if not accelerator.is_main_process:
+        return {}
+    return {strip_wrapper_segments(k): v for k, v in state_dict.items()}

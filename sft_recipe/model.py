@@ -1,0 +1,178 @@
+"""Tokenizer, chat templates, quantization, the base model and the LoRA config."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .args import ModelArguments
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
+
+# Our own Jinja templates. Assistant turns are wrapped in {% generation %} so TRL's assistant-only loss can find them.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}"
+    "{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+ZEPHYR_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + eos_token }}{% endif %}"
+    "{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    template: str
+    extra_special_tokens: tuple[str, ...]
+    eos_token: str | None  # None: keep the tokenizer's
+
+
+CHAT_FORMATS = {
+    # chatml ends a turn with <|im_end|>, so it becomes EOS: generation then stops at the end of the answer.
+    "chatml": ChatFormat(CHATML_TEMPLATE, ("<|im_start|>", "<|im_end|>"), "<|im_end|>"),
+    "zephyr": ChatFormat(ZEPHYR_TEMPLATE, ("<|user|>", "<|assistant|>", "<|system|>"), None),
+}
+PAD_TOKEN = "<pad>"
+
+
+def load_tokenizer(model_args: ModelArguments, trust_remote_code: bool = False):
+    """Load the tokenizer; for chatml/zephyr add the format's special tokens and template.
+
+    Tokens are added to the loaded tokenizer with `add_tokens(..., special_tokens=True)`: passing
+    `additional_special_tokens=` to `AutoTokenizer.from_pretrained` (what upstream does) is silently ignored by
+    transformers 5.24.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=trust_remote_code)
+    fmt = CHAT_FORMATS.get(model_args.chat_template_format)
+    if fmt is not None:
+        new_tokens = [t for t in fmt.extra_special_tokens if t not in tokenizer.get_vocab()]
+        if new_tokens:
+            tokenizer.add_tokens(new_tokens, special_tokens=True)
+        if fmt.eos_token is not None:
+            tokenizer.eos_token = fmt.eos_token
+        tokenizer.chat_template = fmt.template
+    if tokenizer.pad_token is None:
+        if fmt is not None:
+            tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+        else:
+            # No new rows in the embedding when the user keeps the tokenizer as it is; padding is masked anyway.
+            tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def bnb_config(model_args: ModelArguments):
+    """BitsAndBytesConfig from the flags, or None when not quantizing."""
+    if not (model_args.use_4bit_quantization or model_args.use_8bit_quantization):
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if model_args.use_8bit_quantization:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
+        bnb_4bit_compute_dtype=DTYPES[model_args.bnb_4bit_compute_dtype],
+        bnb_4bit_use_double_quant=model_args.use_nested_quant,
+        bnb_4bit_quant_storage=DTYPES[model_args.bnb_4bit_quant_storage_dtype],
+    )
+
+
+def model_dtype(model_args: ModelArguments, bf16: bool, fp16: bool) -> torch.dtype:
+    """The dtype weights are loaded in.
+
+    4-bit: the storage dtype (the guide's rule: FSDP flattens parameters of one dtype, so the packed 4-bit storage must
+    match the rest of the model). Otherwise the training precision: bf16/fp16 when asked, else fp32.
+    """
+    if model_args.use_4bit_quantization and model_args.bnb_4bit_quant_storage_dtype != "uint8":
+        return DTYPES[model_args.bnb_4bit_quant_storage_dtype]
+    if bf16:
+        return torch.bfloat16
+    if fp16:
+        return torch.float16
+    return torch.float32
+
+
+def attn_implementation(model_args: ModelArguments) -> str:
+    return "flash_attention_2" if model_args.use_flash_attn else "sdpa"
+
+
+def flash_attn_problem() -> str | None:
+    """Why flash_attention_2 cannot run here, or None."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return ("--use_flash_attn True: the flash-attn package is not installed. Fix: `pip install flash-attn "
+                "--no-build-isolation` on a CUDA machine (see README), or --use_flash_attn False for PyTorch SDPA.")
+    if not torch.cuda.is_available():
+        return "--use_flash_attn True needs a CUDA GPU and none is visible. Fix: --use_flash_attn False (SDPA)."
+    return None
+
+
+def load_model(model_args: ModelArguments, training_args, tokenizer):
+    """Load the base model in the right dtype/quantization/attention, then fit its embeddings to the tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_args.model_name_or_path,
+        quantization_config=bnb_config(model_args),
+        dtype=model_dtype(model_args, training_args.bf16, training_args.fp16),
+        attn_implementation=attn_implementation(model_args),
+        trust_remote_code=training_args.trust_remote_code,
+    )
+    fit_embeddings_to_tokenizer(model, tokenizer)
+    return model
+
+
+def fit_embeddings_to_tokenizer(model, tokenizer) -> bool:
+    """Grow the embeddings to exactly len(tokenizer) when tokens were added; never shrink, never pad.
+
+    Upstream pads to a multiple of 8; the saved adapter then holds more embedding rows than the saved tokenizer has
+    tokens, and `AutoPeftModelForCausalLM.from_pretrained` (which resizes the base to len(tokenizer)) fails with a size
+    mismatch. Exact sizing keeps the standard loader working.
+    `mean_resizing=False`: under `cpu_ram_efficient_loading` non-main ranks hold meta tensors (no values to average),
+    and their rows are overwritten from rank 0 when FSDP syncs module states anyway. New rows start from the
+    initializer; they are trained only when embed_tokens/lm_head are trained.
+    """
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) <= rows:
+        return False
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    return True
+
+
+def lora_target_modules(model_args: ModelArguments) -> str | list[str]:
+    value = model_args.lora_target_modules.strip()
+    if value == "all-linear":
+        return value
+    return [m.strip() for m in value.split(",") if m.strip()]
+
+
+def lora_config(model_args: ModelArguments):
+    """The LoRA config SFTTrainer wraps the model with, or None for full fine-tuning."""
+    if not model_args.use_peft_lora:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=model_args.lora_r,
+        lora_alpha=model_args.lora_alpha,
+        lora_dropout=model_args.lora_dropout,
+        target_modules=lora_target_modules(model_args),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )

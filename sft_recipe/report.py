@@ -1,0 +1,97 @@
+"""Facts about a run, written to `output_dir/run_facts.json`: how it was really distributed, what moved, losses.
+
+Tests read this file to assert, e.g., that a CPU "FSDP" run really was FSDP-wrapped (accelerate can silently run
+DDP instead) and that base weights stayed frozen while LoRA weights moved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+
+import torch
+from transformers import TrainerCallback
+
+RUN_FACTS = "run_facts.json"
+
+
+def _local_sums(model) -> tuple[float, float]:
+    """(sum |w| of frozen params, sum |w| of trainable params) over this rank's shards: cheap change detectors."""
+    frozen = trainable = 0.0
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p  # FSDP2 DTensor -> this rank's shard
+            if local.dtype in (torch.uint8, torch.int8):
+                value = float(local.float().sum())  # packed 4-bit / 8-bit storage: any change shows in the bytes
+            else:
+                value = float(local.detach().float().abs().sum())
+            if p.requires_grad:
+                trainable += value
+            else:
+                frozen += value
+    return frozen, trainable
+
+
+def _all_ranks_sum(accelerator, values: tuple[float, float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+    return [float(x) for x in accelerator.reduce(t, reduction="sum")] if accelerator.num_processes > 1 else list(values)
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class RunFacts(TrainerCallback):
+    """Records distribution facts at train start and what changed at train end. Needs the trainer for its
+    accelerator and wrapped model, which callbacks are not given."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        # Counted now, before FSDP1 flattens parameters (then only flat shards are visible).
+        self.facts: dict = {"trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)}
+        self._start = 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        accelerator = self.trainer.accelerator
+        wrapped = self.trainer.model_wrapped
+        plugin = getattr(accelerator.state, "fsdp_plugin", None)
+        self.facts.update(
+            distributed_type=str(accelerator.distributed_type).split(".")[-1],
+            fsdp_version=getattr(plugin, "fsdp_version", None) if plugin is not None else None,
+            num_processes=accelerator.num_processes,
+            device=str(accelerator.device),
+            wrapped_class=type(wrapped).__name__,
+            dtensor_params=sum(type(p).__name__ == "DTensor" for p in wrapped.parameters()),
+            fsdp_modules=sum("FullyShardedDataParallel" in type(m).__name__ or "FSDP" in type(m).__name__
+                             for m in wrapped.modules()),
+        )
+        self.facts["sums_before"] = _all_ranks_sum(accelerator, _local_sums(wrapped))
+        self._start = time.time()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        accelerator = self.trainer.accelerator
+        sums_after = _all_ranks_sum(accelerator, _local_sums(self.trainer.model_wrapped))
+        before = self.facts["sums_before"]
+        self.facts.update(
+            sums_after=sums_after,
+            frozen_changed=abs(sums_after[0] - before[0]) > 1e-6 * max(1.0, abs(before[0])),
+            trainable_changed=abs(sums_after[1] - before[1]) > 0.0,
+            train_seconds=round(time.time() - self._start, 2),
+            global_steps=state.global_step,
+            losses=[h["loss"] for h in state.log_history if "loss" in h],
+            eval_losses=[h["eval_loss"] for h in state.log_history if "eval_loss" in h],
+        )
+        peaks = torch.tensor([_peak_rss_mib()], dtype=torch.float64, device=accelerator.device)
+        self.facts["peak_rss_mib_per_rank"] = [round(float(x), 1) for x in accelerator.gather(peaks)]
+        if torch.cuda.is_available():
+            self.facts["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+
+    def write(self, output_dir: str, **extra) -> None:
+        if not self.trainer.accelerator.is_main_process:
+            return
+        self.facts.update(extra)
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, RUN_FACTS), "w") as f:
+            json.dump(self.facts, f, indent=2)

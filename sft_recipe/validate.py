@@ -1,0 +1,95 @@
+"""The whole-config check, run before any weight is loaded: collect every problem, raise once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from . import compat
+from .args import ConfigError, DataTrainingArguments, ModelArguments, RecipeArguments
+from .data import locate_splits
+from .model import DTYPES, flash_attn_problem
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _model_problems(m: ModelArguments, t) -> list[str]:
+    problems = []
+    if m.use_unsloth:
+        problems.append("--use_unsloth True is not supported: upstream only runs unsloth on a single GPU, and this "
+                        "recipe is for FSDP. Fix: drop --use_unsloth.")
+    if m.use_4bit_quantization and m.use_8bit_quantization:
+        problems.append("--use_4bit_quantization and --use_8bit_quantization are both True: pick one (4-bit is the "
+                        "QLoRA recipe).")
+    if (m.use_4bit_quantization or m.use_8bit_quantization) and not m.use_peft_lora:
+        problems.append("quantized weights cannot be fine-tuned directly. Fix: add --use_peft_lora True (QLoRA).")
+    if m.use_8bit_quantization and compat.fsdp_requested():
+        problems.append("--use_8bit_quantization True does not work with FSDP (bitsandbytes 8-bit weights cannot be "
+                        "sharded). Fix: --use_4bit_quantization True with --bnb_4bit_quant_storage_dtype bfloat16.")
+    for flag in ("bnb_4bit_compute_dtype", "bnb_4bit_quant_storage_dtype"):
+        value = getattr(m, flag)
+        if value not in DTYPES:
+            problems.append(f"--{flag} '{value}' is not a dtype; use one of {sorted(DTYPES)}.")
+    if m.bnb_4bit_compute_dtype == "uint8":
+        problems.append("--bnb_4bit_compute_dtype uint8: computation needs a float dtype, e.g. bfloat16.")
+    if m.use_4bit_quantization and compat.fsdp_requested():
+        storage = m.bnb_4bit_quant_storage_dtype
+        if storage not in FLOAT_DTYPES:
+            problems.append(f"--bnb_4bit_quant_storage_dtype {storage} under FSDP: FSDP flattens parameters of one "
+                            "dtype, so 4-bit weights must be packed in the model's dtype. Fix: "
+                            "--bnb_4bit_quant_storage_dtype bfloat16 (with --bf16 True) or float32.")
+        elif storage == "bfloat16" and not t.bf16:
+            problems.append("--bnb_4bit_quant_storage_dtype bfloat16 loads the model in bfloat16, but --bf16 is off "
+                            "(fp16/fp32 training). Fix: --bf16 True, or --bnb_4bit_quant_storage_dtype float32.")
+    if m.use_flash_attn:
+        problem = flash_attn_problem()
+        if problem:
+            problems.append(problem)
+    if m.use_peft_lora:
+        if m.lora_r <= 0:
+            problems.append(f"--lora_r {m.lora_r}: the rank must be a positive integer (the guide uses 8).")
+        if not 0.0 <= m.lora_dropout < 1.0:
+            problems.append(f"--lora_dropout {m.lora_dropout}: must be in [0, 1).")
+        if not m.lora_target_modules.strip():
+            problems.append("--lora_target_modules is empty: name modules (q_proj,v_proj,...) or 'all-linear'.")
+    return problems
+
+
+def _training_problems(r: RecipeArguments, t) -> list[str]:
+    problems = []
+    if t.max_length is not None and t.max_length <= 0:
+        problems.append(f"--max_seq_len/--max_length {t.max_length}: must be a positive number of tokens.")
+    out = Path(t.output_dir)
+    probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
+    if not os.access(probe, os.W_OK):
+        problems.append(f"--output_dir {t.output_dir}: {probe} is not writable. Fix: choose a folder you can write.")
+    if t.push_to_hub and not r.defer_push_to_hub:
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+        if offline or not _hub_token_present():
+            why = "HF_HUB_OFFLINE is set" if offline else "no Hugging Face token was found"
+            problems.append(f"--push_to_hub: {why}, so the push would fail after training. Fix: log in "
+                            "(`hf auth login` or HF_TOKEN=...), or --push_to_hub False, or --defer_push_to_hub True "
+                            "to train now and upload later with the command printed at the end.")
+    return problems
+
+
+def _hub_token_present() -> bool:
+    try:
+        from huggingface_hub import get_token
+
+        return bool(get_token())
+    except Exception:
+        return bool(os.environ.get("HF_TOKEN"))
+
+
+def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t) -> None:
+    """Raise ConfigError listing every problem in the configuration; cheap, loads no weights."""
+    problems = _model_problems(m, t) + _training_problems(r, t)
+    problems += locate_splits(d)[1]
+    local_model = Path(m.model_name_or_path)
+    if m.model_name_or_path.startswith((".", "/")) and not local_model.exists():
+        hint = " Build the tiny default with `python -m sft_recipe.tiny --output_dir .tiny`." \
+            if ".tiny" in m.model_name_or_path else ""
+        problems.append(f"--model_name_or_path {m.model_name_or_path}: no such folder.{hint}")
+    if problems:
+        raise ConfigError(problems)

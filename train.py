@@ -1,0 +1,97 @@
+"""Supervised fine-tuning with LoRA / QLoRA, on one device or sharded with FSDP.
+
+    accelerate launch --config_file configs/fsdp_config.yaml train.py --model_name_or_path ... [flags]
+
+The story, top to bottom: arguments -> data -> tokenizer/model/LoRA -> trainer -> train -> save -> verify.
+Run `python train.py --help` for every flag; `--config recipe.yaml` supplies defaults the command line overrides.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from sft_recipe import compat
+from sft_recipe.args import ConfigError, parse_args
+
+logger = logging.getLogger("train")
+
+
+def main(argv: list[str] | None = None) -> None:
+    # 1. Arguments: parse, make FSDP real on CPU if asked, check everything before any weight is loaded.
+    model_args, data_args, recipe_args, training_args = parse_args(argv)
+    compat.enable_fsdp_on_cpu()
+    from sft_recipe.validate import validate
+
+    validate(model_args, data_args, recipe_args, training_args)
+    if training_args.push_to_hub and recipe_args.defer_push_to_hub:
+        training_args.push_to_hub = False
+    training_args.gradient_checkpointing_kwargs = {"use_reentrant": model_args.use_reentrant}
+
+    from transformers import set_seed
+    from trl import SFTTrainer
+
+    from sft_recipe.adapter import save_final_adapter
+    from sft_recipe.data import dataset_flag_notes, load_splits, prepare_for_trl
+    from sft_recipe.model import load_model, load_tokenizer, lora_config
+    from sft_recipe.report import RunFacts
+
+    set_seed(training_args.seed)
+
+    # 2. Tokenizer (it carries the chat template the data needs) and data.
+    tokenizer = load_tokenizer(model_args, training_args.trust_remote_code)
+    datasets = prepare_for_trl(load_splits(data_args), data_args, training_args.dataset_text_field, tokenizer)
+    for note in dataset_flag_notes(data_args, "messages" in datasets["train"].column_names):
+        logger.warning(note)
+
+    # 3. Model, sized to the tokenizer; SFTTrainer wraps it with the LoRA config and FSDP.
+    model = load_model(model_args, training_args, tokenizer)
+
+    # 4. Trainer.
+    trainer = SFTTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=datasets["train"],
+        eval_dataset=datasets.get("test"),
+        processing_class=tokenizer,
+        peft_config=lora_config(model_args),
+    )
+    facts = RunFacts(trainer)
+    trainer.add_callback(facts)
+    if model_args.use_peft_lora and trainer.accelerator.is_main_process:
+        trainer.model.print_trainable_parameters()
+
+    # 5. Train.
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+
+    # 6. Save the FULL_STATE_DICT adapter (all ranks take part) and verify it before it replaces anything.
+    save_final_adapter(trainer, training_args.output_dir, verify=recipe_args.verify_adapter,
+                       trust_remote_code=training_args.trust_remote_code)
+    facts.write(training_args.output_dir, model_name_or_path=model_args.model_name_or_path,
+                dataset_name=data_args.dataset_name)
+
+    # 7. Publish.
+    if trainer.accelerator.is_main_process:
+        if training_args.push_to_hub:
+            trainer.push_to_hub()
+        elif recipe_args.defer_push_to_hub:
+            repo = training_args.hub_model_id or os.path.basename(os.path.abspath(training_args.output_dir))
+            print(f"Push deferred. Upload later with: hf upload {repo} {training_args.output_dir} "
+                  f"--private={training_args.hub_private_repo is not False}", flush=True)
+
+
+def run() -> int:
+    """Entry point: user mistakes exit 2 with the list of problems and no traceback."""
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    try:
+        main()
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())
