@@ -17,26 +17,38 @@ from transformers import TrainerCallback
 RUN_FACTS = "run_facts.json"
 
 
-def _local_sums(model) -> tuple[float, float]:
-    """(sum |w| of frozen params, sum |w| of trainable params) over this rank's shards: cheap change detectors."""
-    frozen = trainable = 0.0
+def _shard_of(p: torch.Tensor) -> torch.Tensor:
+    if hasattr(p, "to_local"):  # FSDP2 DTensor
+        return p.to_local()
+    shard = getattr(p, "_local_shard", None)  # FSDP1 FlatParameter keeps its shard even while unsharded
+    return shard if shard is not None else p
+
+
+def _checksum(t: torch.Tensor) -> int:
+    """Exact, dtype-agnostic fingerprint of a tensor's bytes (packed 4-bit storage read as bf16 can be NaN)."""
+    flat = t.detach().contiguous().reshape(-1)
+    words = flat.view(torch.int32) if flat.numel() * flat.element_size() % 4 == 0 else flat.view(torch.uint8)
+    return int(words.sum(dtype=torch.int64))  # reduces without materialising an int64 copy
+
+
+def _local_sums(model) -> tuple[int, int]:
+    """(checksum of frozen params, checksum of trainable params) over this rank's shards: exact change detectors."""
+    frozen = trainable = 0
     with torch.no_grad():
         for p in model.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p  # FSDP2 DTensor -> this rank's shard
-            if local.dtype in (torch.uint8, torch.int8):
-                value = float(local.float().sum())  # packed 4-bit / 8-bit storage: any change shows in the bytes
-            else:
-                value = float(local.detach().float().abs().sum())
+            local = _shard_of(p)
+            if local.numel() and local.untyped_storage().size() == 0:
+                continue  # freed unsharded view; its values are counted through the shard
             if p.requires_grad:
-                trainable += value
+                trainable += _checksum(local)
             else:
-                frozen += value
+                frozen += _checksum(local)
     return frozen, trainable
 
 
-def _all_ranks_sum(accelerator, values: tuple[float, float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
-    return [float(x) for x in accelerator.reduce(t, reduction="sum")] if accelerator.num_processes > 1 else list(values)
+def _all_ranks_sum(accelerator, values: tuple[int, int]) -> list[int]:
+    t = torch.tensor(values, dtype=torch.int64, device=accelerator.device)
+    return [int(x) for x in accelerator.reduce(t, reduction="sum")] if accelerator.num_processes > 1 else list(values)
 
 
 def _peak_rss_mib() -> float:
@@ -67,17 +79,17 @@ class RunFacts(TrainerCallback):
             fsdp_modules=sum("FullyShardedDataParallel" in type(m).__name__ or "FSDP" in type(m).__name__
                              for m in wrapped.modules()),
         )
-        self.facts["sums_before"] = _all_ranks_sum(accelerator, _local_sums(wrapped))
+        self.facts["checksums_before"] = _all_ranks_sum(accelerator, _local_sums(wrapped))
         self._start = time.time()
 
     def on_train_end(self, args, state, control, **kwargs):
         accelerator = self.trainer.accelerator
-        sums_after = _all_ranks_sum(accelerator, _local_sums(self.trainer.model_wrapped))
-        before = self.facts["sums_before"]
+        checksums_after = _all_ranks_sum(accelerator, _local_sums(self.trainer.model_wrapped))
+        before = self.facts["checksums_before"]
         self.facts.update(
-            sums_after=sums_after,
-            frozen_changed=abs(sums_after[0] - before[0]) > 1e-6 * max(1.0, abs(before[0])),
-            trainable_changed=abs(sums_after[1] - before[1]) > 0.0,
+            checksums_after=checksums_after,
+            frozen_changed=checksums_after[0] != before[0],
+            trainable_changed=checksums_after[1] != before[1],
             train_seconds=round(time.time() - self._start, 2),
             global_steps=state.global_step,
             losses=[h["loss"] for h in state.log_history if "loss" in h],
