@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# LoRA + FSDP: the guide's Llama-2-70B run on 8 GPUs (FSDP1 FULL_SHARD, bf16, packing, gradient checkpointing).
+#   bash run_peft_fsdp.sh [extra train.py flags, which override the ones below]
+# Everything is overridable without editing this file:
+#   MODEL=meta-llama/Llama-2-70b-hf  DATASET=smangrul/ultrachat-10k-chatml  OUTPUT_DIR=llama-sft-lora-fsdp
+#   ACCELERATE_CONFIG=configs/fsdp_config.yaml  NUM_PROCESSES=(from the config)
+# Tiny CPU dry run (no GPU, no Hub), as the tests do:
+#   python -m sft_recipe.tiny --output_dir .tiny
+#   ACCELERATE_USE_CPU=true ACCELERATE_CONFIG=configs/cpu/fsdp_config.yaml NUM_PROCESSES=2 MODEL=.tiny/model \
+#     DATASET=.tiny/data/jsonl OUTPUT_DIR=runs/lora-dry bash run_peft_fsdp.sh --bf16 False --use_flash_attn False \
+#     --push_to_hub False --max_steps 3 --max_seq_len 256
+set -euo pipefail
+cd "$(dirname "$0")"
+
+MODEL=${MODEL:-meta-llama/Llama-2-70b-hf}
+DATASET=${DATASET:-smangrul/ultrachat-10k-chatml}
+OUTPUT_DIR=${OUTPUT_DIR:-llama-sft-lora-fsdp}
+ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-configs/fsdp_config.yaml}
+LAUNCH=(accelerate launch --config_file "$ACCELERATE_CONFIG")
+if [[ -n "${NUM_PROCESSES:-}" ]]; then LAUNCH+=(--num_processes "$NUM_PROCESSES"); fi
+
+"${LAUNCH[@]}" train.py \
+--seed 100 \
+--model_name_or_path "$MODEL" \
+--dataset_name "$DATASET" \
+--chat_template_format "chatml" \
+--add_special_tokens False \
+--append_concat_token False \
+--splits "train,test" \
+--max_seq_len 2048 \
+--num_train_epochs 1 \
+--logging_steps 5 \
+--log_level "info" \
+--logging_strategy "steps" \
+--eval_strategy "epoch" \
+--save_strategy "epoch" \
+--push_to_hub \
+--hub_private_repo True \
+--hub_strategy "every_save" \
+--bf16 True \
+--packing True \
+--learning_rate 1e-4 \
+--lr_scheduler_type "cosine" \
+--weight_decay 1e-4 \
+--warmup_steps 0 \
+--max_grad_norm 1.0 \
+--output_dir "$OUTPUT_DIR" \
+--per_device_train_batch_size 8 \
+--per_device_eval_batch_size 8 \
+--gradient_accumulation_steps 4 \
+--gradient_checkpointing True \
+--use_reentrant False \
+--dataset_text_field "content" \
+--use_flash_attn True \
+--use_peft_lora True \
+--lora_r 8 \
+--lora_alpha 16 \
+--lora_dropout 0.1 \
+--lora_target_modules "all-linear" \
+--use_4bit_quantization False \
+"$@"

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# QLoRA + FSDP: the guide's Llama-2-70B run on 2x24 GB GPUs (4-bit NF4, double quant, bf16 storage, CPU offload).
+#   bash run_peft_qlora_fsdp.sh [extra train.py flags, which override the ones below]
+# Everything is overridable without editing this file:
+#   MODEL=meta-llama/Llama-2-70b-hf  DATASET=smangrul/ultrachat-10k-chatml  OUTPUT_DIR=llama-sft-qlora-fsdp
+#   ACCELERATE_CONFIG=configs/fsdp_config_qlora.yaml  NUM_PROCESSES=(from the config)
+# Tiny CPU dry run (no GPU, no Hub), as the tests do:
+#   python -m sft_recipe.tiny --output_dir .tiny
+#   ACCELERATE_USE_CPU=true ACCELERATE_CONFIG=configs/cpu/fsdp2_config.yaml NUM_PROCESSES=2 MODEL=.tiny/model \
+#     DATASET=.tiny/data/jsonl OUTPUT_DIR=runs/qlora-dry bash run_peft_qlora_fsdp.sh --use_flash_attn False \
+#     --bnb_4bit_compute_dtype float32 --push_to_hub False --max_steps 3 --max_seq_len 256
+set -euo pipefail
+cd "$(dirname "$0")"
+
+MODEL=${MODEL:-meta-llama/Llama-2-70b-hf}
+DATASET=${DATASET:-smangrul/ultrachat-10k-chatml}
+OUTPUT_DIR=${OUTPUT_DIR:-llama-sft-qlora-fsdp}
+ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-configs/fsdp_config_qlora.yaml}
+LAUNCH=(accelerate launch --config_file "$ACCELERATE_CONFIG")
+if [[ -n "${NUM_PROCESSES:-}" ]]; then LAUNCH+=(--num_processes "$NUM_PROCESSES"); fi
+
+"${LAUNCH[@]}" train.py \
+--seed 100 \
+--model_name_or_path "$MODEL" \
+--dataset_name "$DATASET" \
+--chat_template_format "chatml" \
+--add_special_tokens False \
+--append_concat_token False \
+--splits "train,test" \
+--max_seq_len 2048 \
+--num_train_epochs 1 \
+--logging_steps 5 \
+--log_level "info" \
+--logging_strategy "steps" \
+--eval_strategy "epoch" \
+--save_strategy "epoch" \
+--push_to_hub \
+--hub_private_repo True \
+--hub_strategy "every_save" \
+--bf16 True \
+--packing True \
+--learning_rate 1e-4 \
+--lr_scheduler_type "cosine" \
+--weight_decay 1e-4 \
+--warmup_steps 0 \
+--max_grad_norm 1.0 \
+--output_dir "$OUTPUT_DIR" \
+--per_device_train_batch_size 2 \
+--per_device_eval_batch_size 2 \
+--gradient_accumulation_steps 2 \
+--gradient_checkpointing True \
+--use_reentrant True \
+--dataset_text_field "content" \
+--use_flash_attn True \
+--use_peft_lora True \
+--lora_r 8 \
+--lora_alpha 16 \
+--lora_dropout 0.1 \
+--lora_target_modules "all-linear" \
+--use_4bit_quantization True \
+--use_nested_quant True \
+--bnb_4bit_compute_dtype "bfloat16" \
+--bnb_4bit_quant_storage_dtype "bfloat16" \
+"$@"
