@@ -27,7 +27,9 @@ def main(argv: list[str] | None = None) -> None:
     validate(model_args, data_args, recipe_args, training_args)
     if training_args.push_to_hub and recipe_args.defer_push_to_hub:
         training_args.push_to_hub = False
-    training_args.gradient_checkpointing_kwargs = {"use_reentrant": model_args.use_reentrant}
+    # transformers 5.24 reads activation_checkpointing_kwargs while TRL 1.16 still reads the old name: set both.
+    training_args.activation_checkpointing_kwargs = {"use_reentrant": model_args.use_reentrant}
+    training_args.gradient_checkpointing_kwargs = training_args.activation_checkpointing_kwargs
 
     from transformers import set_seed
     from trl import SFTTrainer

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The demo behind `make demo`: LoRA with real FSDP (FSDP1, 2 CPU processes over gloo) on the embedded tiny model,
+# then the saved adapter is reloaded with PeftModel.from_pretrained and compared with its base on held-out prompts.
+#   bash scripts/demo.sh [OUTPUT_DIR]      (needs .venv and .tiny: `make demo` prepares both)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUTPUT_DIR=${1:-runs/demo}
+export PATH="$PWD/.venv/bin:$PATH" ACCELERATE_USE_CPU=true HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
+if [[ -e "$OUTPUT_DIR/adapter_model.safetensors" ]]; then
+  echo "$OUTPUT_DIR already holds an adapter; choose another folder: make demo DEMO_DIR=runs/demo2" >&2
+  exit 2
+fi
+accelerate launch --config_file configs/cpu/fsdp_config.yaml train.py --config recipes/tiny_demo.yaml \
+  --output_dir "$OUTPUT_DIR"
+python -m sft_recipe.evaluate --adapter_dir "$OUTPUT_DIR" --dataset_name .tiny/data/jsonl --split test

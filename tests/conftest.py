@@ -1,0 +1,71 @@
+"""Shared fixtures: the tiny model/data built once per session, and a helper that launches train.py for real."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _bin_dir() -> str:
+    return str(Path(sys.executable).parent)
+
+
+def launch_env(cpu_switch: bool = True) -> dict[str, str]:
+    """Environment for a launched run: the venv's tools first on PATH, offline, quiet, one thread per rank."""
+    env = dict(os.environ)
+    env["PATH"] = _bin_dir() + os.pathsep + env.get("PATH", "")
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", HF_HUB_DISABLE_TELEMETRY="1")
+    env.pop("HF_TOKEN", None)
+    if cpu_switch:
+        env["ACCELERATE_USE_CPU"] = "true"
+    return env
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    output: str
+    output_dir: Path
+
+    @property
+    def facts(self) -> dict:
+        return json.loads((self.output_dir / "run_facts.json").read_text())
+
+
+def run_command(cmd: list[str], output_dir: Path, env: dict | None = None, timeout: int = 600) -> RunResult:
+    proc = subprocess.run(cmd, cwd=REPO, env=env or launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout)
+    return RunResult(proc.returncode, proc.stdout, output_dir)
+
+
+def launch_train(config: str, output_dir: Path, args: list[str], env: dict | None = None) -> RunResult:
+    """`accelerate launch --config_file configs/<config> train.py ...` through the real launcher."""
+    cmd = [os.path.join(_bin_dir(), "accelerate"), "launch", "--config_file", str(REPO / "configs" / config),
+           "--main_process_port", str(_free_port()), "train.py", "--output_dir", str(output_dir), *args]
+    return run_command(cmd, output_dir, env)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """The embedded default (tiny Llama + tokenizer + chat data), built once per test session."""
+    from sft_recipe.tiny import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("tiny"))

@@ -1,0 +1,108 @@
+"""The recipe end to end through the real `accelerate launch`: LoRA and QLoRA, one process and FSDP1/FSDP2 on 2 ranks.
+
+Each run asserts what a user relies on: the run really was what the config says (FSDP-wrapped, not silently DDP),
+the loss went down, frozen base weights stayed bit-identical while LoRA weights moved, the saved adapter passed the
+completeness check, and it loads with `PeftModel.from_pretrained` and changes the model's output.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import launch_train
+
+TRAIN_FLAGS = [
+    "--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0",
+    "--lora_target_modules", "all-linear", "--max_steps", "8", "--per_device_train_batch_size", "4",
+    "--learning_rate", "3e-3", "--logging_steps", "1", "--packing", "True", "--max_seq_len", "128",
+    "--report_to", "none", "--save_strategy", "no", "--eval_strategy", "no", "--seed", "7",
+    "--gradient_checkpointing", "True", "--use_reentrant", "False",
+]
+QLORA_FLAGS = [
+    "--use_4bit_quantization", "True", "--use_nested_quant", "True", "--bnb_4bit_quant_type", "nf4",
+    "--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16", "True",
+    # fp32 compute: bf16 matmuls are emulated on this CPU (~20x slower); storage stays bf16 as in the guide.
+    "--bnb_4bit_compute_dtype", "float32",
+]
+
+# name -> (accelerate config, dataset format folder, chat format, extra flags, expected wrapping)
+SCENARIOS = {
+    "lora-single": ("cpu/single.yaml", "jsonl", "chatml", [], ("NO", None)),
+    "lora-fsdp1": ("cpu/fsdp_config.yaml", "disk", "chatml", [], ("FSDP", 1)),
+    "lora-fsdp2": ("cpu/fsdp2_config.yaml", "parquet", "zephyr", [], ("FSDP", 2)),
+    "qlora-single": ("cpu/single.yaml", "jsonl", "none", QLORA_FLAGS, ("NO", None)),
+    "qlora-fsdp1": ("cpu/fsdp_config.yaml", "jsonl", "chatml", QLORA_FLAGS, ("FSDP", 1)),
+    "qlora-fsdp2": ("cpu/fsdp2_config.yaml", "text", "none", QLORA_FLAGS + ["--dataset_text_field", "content"],
+                    ("FSDP", 2)),
+}
+
+
+def _dataset_dir(tiny, fmt: str) -> str:
+    return str({"jsonl": tiny.jsonl_dir, "disk": tiny.disk_dir, "parquet": tiny.parquet_dir,
+                "text": tiny.text_dir}[fmt])
+
+
+def _mean(values):
+    return sum(values) / len(values)
+
+
+def _logits_base_vs_adapter(model_dir, adapter_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if len(tokenizer) != base.get_input_embeddings().weight.shape[0]:
+        base.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    ids = tokenizer("### User:\nWhat is the opposite of hot?", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        base_logits = base(ids).logits.clone()
+        model = PeftModel.from_pretrained(base, adapter_dir)
+        adapted = model(ids).logits
+    return base_logits, adapted
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_train_save_verify_reload(name, tiny, tmp_path):
+    config, fmt, chat_format, extra, (distributed_type, fsdp_version) = SCENARIOS[name]
+    out = tmp_path / name
+    result = launch_train(config, out, [
+        "--model_name_or_path", str(tiny.model_dir), "--dataset_name", _dataset_dir(tiny, fmt),
+        "--chat_template_format", chat_format, *TRAIN_FLAGS, *extra,
+    ])
+    assert result.returncode == 0, result.output[-6000:]
+    facts = result.facts
+
+    # It ran the way the config says, and FSDP really wrapped the model (accelerate can silently run DDP on CPU).
+    assert facts["distributed_type"] == distributed_type and facts["fsdp_version"] == fsdp_version
+    if fsdp_version == 1:
+        assert facts["wrapped_class"] == "FullyShardedDataParallel" and facts["num_processes"] == 2
+    elif fsdp_version == 2:
+        assert facts["wrapped_class"].startswith("FSDP") and facts["dtensor_params"] > 0
+        assert facts["num_processes"] == 2
+    else:
+        assert facts["num_processes"] == 1 and facts["fsdp_modules"] == 0
+
+    # Learning happened, to the right weights.
+    losses = facts["losses"]
+    assert len(losses) == 8 and _mean(losses[-2:]) < _mean(losses[:2]) - 0.05, losses
+    assert facts["frozen_changed"] is False and facts["trainable_changed"] is True
+
+    # The adapter is complete (checked in the run) and loads the way users load it.
+    assert "adapter check OK" in result.output
+    assert not (out / "adapter-FAILED-CHECK").exists()
+    saved = json.loads((out / "adapter_config.json").read_text())
+    assert saved["r"] == 8 and saved["peft_type"] == "LORA"
+    base_logits, adapted = _logits_base_vs_adapter(tiny.model_dir, out)
+    assert not torch.allclose(base_logits, adapted, atol=1e-4)
+    if chat_format != "none":  # tokens were added: the standard loader must still work, with no extra code
+        from peft import AutoPeftModelForCausalLM
+        from transformers import AutoTokenizer
+
+        loaded = AutoPeftModelForCausalLM.from_pretrained(str(out))
+        assert loaded.get_input_embeddings().weight.shape[0] == len(AutoTokenizer.from_pretrained(str(out)))
+    if fsdp_version == 1:  # the peft 0.21 FSDP1 key bug is worked around, and we can see whether it is still needed
+        assert "adapter keys needed the FSDP1 name fix" in result.output
