@@ -129,27 +129,26 @@ def _suggest(name: str, known: set[str]) -> str:
 
 
 def _rewrite_aliases(argv: list[str], problems: list[str]) -> list[str]:
-    """--max_seq_len N -> --max_length N; both given with different values is a mistake."""
+    """--max_seq_len N -> --max_length N. Repeating one name is fine (the last wins, so extra flags appended to the
+    launch scripts override theirs); the two names given different values is a mistake."""
     out: list[str] = []
-    seen: dict[str, str] = {}
+    last_by_name: dict[str, str] = {}
     i = 0
     while i < len(argv):
         token = argv[i]
         name, eq, inline = token[2:].partition("=") if token.startswith("--") else ("", "", "")
         if name in ALIASES or name in ALIASES.values():
-            target = ALIASES.get(name, name)
             value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-            if target in seen and seen[target] != value:
-                problems.append(
-                    f"--max_seq_len and --max_length are the same setting but were given different values "
-                    f"({seen[target]} vs {value}): keep one."
-                )
-            seen[target] = value
-            out += [f"--{target}", value]
+            last_by_name[name] = value
+            out += [f"--{ALIASES.get(name, name)}", value]
             i += 1 if eq else 2
             continue
         out.append(token)
         i += 1
+    for alias, target in ALIASES.items():
+        if alias in last_by_name and target in last_by_name and last_by_name[alias] != last_by_name[target]:
+            problems.append(f"--{alias} and --{target} are the same setting but were given different values "
+                            f"({last_by_name[alias]} vs {last_by_name[target]}): keep one.")
     return out
 
 

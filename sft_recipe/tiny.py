@@ -12,9 +12,12 @@ Neither can be downloaded here, so this module builds small stand-ins that exerc
   markers so assistant-only loss can be computed.
 * ``data/``: the same conversations as JSONL, ``save_to_disk`` folders, Parquet, and pre-rendered CSV text.
 
-The task is a small fact table (opposites, irregular plurals, animal sounds, colours) asked with four question
-phrasings in the train split and a fifth, held-out phrasing in the test split.  A LoRA adapter on the frozen random
-base learns it in a couple of hundred steps, and :func:`score_answers` measures that on the held-out phrasing.
+The task is a table of 40 facts (opposites, irregular plurals, animal sounds, colours) asked with six question
+phrasings in the train split (240 rows) and a seventh, held-out phrasing in the test split (40 rows).
+:func:`score_answers` measures the held-out answers.  A LoRA adapter (r=8, alpha=16, all linear layers) on the
+frozen random base learns the task in about 200 optimizer steps of ~32 conversations each at a constant lr of
+5e-3 (held-out exact match 0 -> 0.2-0.8 depending on the seed, answer-token accuracy 0 -> 0.83-0.98); with 8
+conversations per step it needs about 400-600 steps.
 
 Usage::
 
@@ -52,10 +55,15 @@ UNK_TOKEN = "<unk>"
 # Order fixes the ids: <unk>=0, <s>=1, </s>=2, as in the Llama-2 tokenizer (and LlamaConfig's defaults).
 SPECIAL_TOKENS = (UNK_TOKEN, BOS_TOKEN, EOS_TOKEN)
 
-# Target vocabulary, special tokens and the 256 byte symbols included.  Small enough that the embedding matrix
-# stays tiny, large enough that the template words and most fact words become single tokens.
-TOKENIZER_VOCAB_SIZE = 512
+# Upper bound on the vocabulary, special tokens and the 256 byte symbols included.  BPE training stops earlier,
+# once no pair of symbols occurs twice (552 tokens for this corpus), by which point every word of the dataset is a
+# single token: multi-token answers made the task markedly slower to learn for LoRA on a random base.
+TOKENIZER_VOCAB_SIZE = 640
 
+# Spread of the random model's initial logits (see build_model); 1.6 gives std 0.2 for hidden_size 64.
+LM_HEAD_INIT_LOGIT_STD = 1.6
+
+# Role headers of CHAT_TEMPLATE (kept in step with it by hand; the tests render the template and compare).
 USER_HEADER = "### User:\n"
 ASSISTANT_HEADER = "### Assistant:\n"
 SYSTEM_HEADER = "### System:\n"
@@ -96,6 +104,8 @@ TRAIN_QUESTION_TEMPLATES = (
     "Tell me {phrase}.",
     "Please name {phrase}.",
     "Do you know {phrase}?",
+    "I would like to know {phrase}.",
+    "Name {phrase}, please.",
 )
 # Held out: only the test split uses it, so the test measures new wording of known facts, not new facts.
 HELDOUT_QUESTION_TEMPLATES = ("Can you say {phrase}?",)
@@ -107,8 +117,9 @@ RELATION_PHRASES = {
     "colour": "the colour of {subject}",
 }
 
-# (relation, subject, answer).  Some subjects recur across relations (cat, mouse, wolf, crow, pig, leaf) so that
-# the adapter has to read the relation, not only the subject.
+# (relation, subject, answer): ten per relation.  Forty facts is about what LoRA on the frozen random base
+# memorises in ~200 steps (sixty took two to three times as many).  Some subjects recur across relations (cat,
+# mouse, wolf, leaf, pig) so that the adapter has to read the relation, not only the subject.
 FACTS: tuple[tuple[str, str, str], ...] = (
     ("opposite", "hot", "cold"),
     ("opposite", "big", "small"),
@@ -118,27 +129,17 @@ FACTS: tuple[tuple[str, str, str], ...] = (
     ("opposite", "wet", "dry"),
     ("opposite", "happy", "sad"),
     ("opposite", "light", "dark"),
-    ("opposite", "hard", "soft"),
-    ("opposite", "early", "late"),
     ("opposite", "full", "empty"),
-    ("opposite", "high", "low"),
-    ("opposite", "rich", "poor"),
     ("opposite", "strong", "weak"),
-    ("opposite", "loud", "quiet"),
     ("plural", "mouse", "mice"),
     ("plural", "child", "children"),
     ("plural", "foot", "feet"),
     ("plural", "tooth", "teeth"),
     ("plural", "man", "men"),
-    ("plural", "woman", "women"),
     ("plural", "goose", "geese"),
     ("plural", "person", "people"),
-    ("plural", "ox", "oxen"),
     ("plural", "cat", "cats"),
-    ("plural", "box", "boxes"),
-    ("plural", "city", "cities"),
     ("plural", "leaf", "leaves"),
-    ("plural", "knife", "knives"),
     ("plural", "wolf", "wolves"),
     ("sound", "cow", "moo"),
     ("sound", "dog", "woof"),
@@ -148,13 +149,8 @@ FACTS: tuple[tuple[str, str, str], ...] = (
     ("sound", "pig", "oink"),
     ("sound", "lion", "roar"),
     ("sound", "snake", "hiss"),
-    ("sound", "hen", "cluck"),
-    ("sound", "horse", "neigh"),
-    ("sound", "frog", "croak"),
-    ("sound", "bee", "buzz"),
     ("sound", "mouse", "squeak"),
     ("sound", "wolf", "howl"),
-    ("sound", "crow", "caw"),
     ("colour", "the sky", "blue"),
     ("colour", "grass", "green"),
     ("colour", "snow", "white"),
@@ -162,14 +158,9 @@ FACTS: tuple[tuple[str, str, str], ...] = (
     ("colour", "blood", "red"),
     ("colour", "a banana", "yellow"),
     ("colour", "a carrot", "orange"),
-    ("colour", "milk", "white"),
-    ("colour", "a crow", "black"),
     ("colour", "a leaf", "green"),
     ("colour", "a pig", "pink"),
     ("colour", "chocolate", "brown"),
-    ("colour", "the sea", "blue"),
-    ("colour", "a lemon", "yellow"),
-    ("colour", "a cherry", "red"),
 )
 
 Conversation = list[dict[str, str]]
@@ -252,7 +243,7 @@ def _tokenizer_training_text(seed: int) -> Iterator[str]:
         for conversation in make_conversations(split, seed):
             for message in conversation:
                 yield message["content"]
-    # Headers once per conversation-ish, so their merges rank like the real frequency in rendered text.
+    # Each header about as often as it occurs in the rendered train split, so its merges rank accordingly.
     for header in (SYSTEM_HEADER, USER_HEADER, ASSISTANT_HEADER):
         for _ in range(len(FACTS) * len(TRAIN_QUESTION_TEMPLATES)):
             yield header
@@ -286,8 +277,9 @@ def build_tokenizer(seed: int = 0):
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         unk_token=UNK_TOKEN,
-        # Llama-2 behaviour: `<s>` is prepended when special tokens are added, `</s>` is not appended.  Saved in
-        # tokenizer_config.json, so transformers rebuilds the post-processor from it if the recipe swaps the BOS.
+        # Llama-2 behaviour: `<s>` is prepended when special tokens are added, `</s>` is not appended.  transformers
+        # turns these flags into the post-processor saved in tokenizer.json but does not save the flags themselves,
+        # so a reloaded tokenizer reports add_bos_token=False and still prepends `<s>`.
         add_bos_token=True,
         add_eos_token=False,
         model_max_length=1024,
@@ -327,6 +319,11 @@ def build_model(tokenizer, *, hidden_size: int = 64, num_hidden_layers: int = 2,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
+        # The final RMSNorm makes hidden states unit-RMS, so logit std = std(lm_head) * sqrt(hidden_size).  With the
+        # default std 0.02 a 64-wide model's logits stay below ~1.3 whatever the hidden state, so a frozen head
+        # caps the loss near ln(vocab) and LoRA can change the argmax but never become confident.  Rescaling
+        # only the head gives logits of realistic spread; it is still a seeded random init.
+        torch.nn.init.normal_(model.lm_head.weight, mean=0.0, std=LM_HEAD_INIT_LOGIT_STD / hidden_size**0.5)
     model.to(torch.float32)
     model.eval()
     return model
@@ -355,12 +352,11 @@ def _write_data(paths: TinyPaths, tokenizer, seed: int) -> None:
         table = pa.Table.from_pylist(rows)
         pq.write_table(table, paths.parquet_dir / f"{split}.parquet")
 
-        # A fixed fingerprint instead of the random one `datasets` would pick, so that state.json is reproducible.
-        dataset = datasets.Dataset(table, fingerprint=f"sft-recipe-tiny-v{BUILD_FORMAT_VERSION}-{split}-{seed}")
-        dataset.save_to_disk(str(paths.disk_dir / split))
+        # datasets 5 fingerprints an in-memory table by content, so state.json is reproducible as it is.
+        datasets.Dataset(table).save_to_disk(str(paths.disk_dir / split))
 
         with open(paths.text_dir / f"{split}.csv", "w", encoding="utf-8", newline="") as f:
-            writer = csv.writer(f)
+            writer = csv.writer(f, lineterminator="\n")
             writer.writerow(["content"])
             for messages in conversations:
                 writer.writerow([tokenizer.apply_chat_template(messages, tokenize=False)])
@@ -411,15 +407,29 @@ def _read_stamp(root: Path) -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
-def _exclusive_lock(lock_path: Path) -> Iterator[None]:
+def _exclusive_lock(directory: Path) -> Iterator[None]:
     # Several ranks of a torchrun job may call build_tiny at once; the lock makes one build and the rest wait
-    # and then find it ready.
-    with open(lock_path, "a+") as lock_file:
-        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
+    # and then find it ready.  Locking the parent directory itself (Linux flock accepts a directory descriptor)
+    # leaves no lock file behind in the user's tree.
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _apply_umask_modes(tree: Path) -> None:
+    # mkdtemp makes the folder private (0700) and some writers create 0600 files; give the bundle the modes a
+    # plain mkdir/open would have, so that it can be shared like any other build output.
+    umask = os.umask(0)
+    os.umask(umask)
+    tree.chmod(0o777 & ~umask)
+    for dirpath, dirnames, filenames in os.walk(tree):
+        for name in dirnames:
+            os.chmod(os.path.join(dirpath, name), 0o777 & ~umask)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o666 & ~umask)
 
 
 def build_tiny(
@@ -442,7 +452,7 @@ def build_tiny(
     wanted = _stamp(hidden_size, num_hidden_layers, seed)
     root.parent.mkdir(parents=True, exist_ok=True)
 
-    with _exclusive_lock(root.parent / f".{root.name}.lock"):
+    with _exclusive_lock(root.parent):
         if not force and _read_stamp(root) == wanted:
             return paths
         if root.exists() and any(root.iterdir()) and not (root / READY_FILE).exists():
@@ -454,13 +464,10 @@ def build_tiny(
 
         tmp_root = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
         try:
-            # mkdtemp makes the folder private (0700); give the final bundle the usual umask-based mode.
-            umask = os.umask(0)
-            os.umask(umask)
-            tmp_root.chmod(0o777 & ~umask)
             _build_into(
                 TinyPaths.under(tmp_root), hidden_size=hidden_size, num_hidden_layers=num_hidden_layers, seed=seed
             )
+            _apply_umask_modes(tmp_root)
             (tmp_root / READY_FILE).write_text(json.dumps(wanted, sort_keys=True) + "\n", encoding="utf-8")
             if root.exists():
                 # os.replace cannot overwrite a non-empty directory: move the old bundle aside first.
@@ -504,11 +511,7 @@ def heldout_conversations(paths_or_dir: TinyPaths | str | os.PathLike[str]) -> l
     return load_conversations(paths_or_dir, "test")
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    # Tokenize as TRL does for a text field (special tokens on, so `<s>` is prepended), unless the chat template
-    # already put the BOS token in the text, in which case adding it again would double it.
-    bos = tokenizer.bos_token
-    add_special_tokens = not (bos and text.startswith(bos))
+def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
@@ -561,11 +564,15 @@ def score_answers(
     conversations: Sequence[Conversation],
     max_new_tokens: int = 24,
     batch_size: int = 32,
+    add_special_tokens: bool = True,
 ) -> dict[str, Any]:
     """Score ``model`` on the final assistant turn of each conversation.
 
     The prompt is ``tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True)`` with whatever chat
-    template the tokenizer carries, tokenized with special tokens as TRL tokenizes a text field.  Returns
+    template the tokenizer carries.  Rendered text is tokenized with ``add_special_tokens`` (default True: what
+    TRL does to a text field such as the recipe's ``content``, so the model is scored on inputs shaped like its
+    training data; pass False to mirror TRL's conversational path, ``apply_chat_template(tokenize=True)``).
+    Returns
 
     * ``exact_match``: share of conversations whose greedy generation (up to an EOS token, special tokens
       dropped, whitespace stripped) equals the reference answer;
@@ -590,8 +597,8 @@ def score_answers(
             raise ValueError("each conversation must end with an assistant message")
         prompt_text = tokenizer.apply_chat_template(list(messages[:-1]), add_generation_prompt=True, tokenize=False)
         full_text = tokenizer.apply_chat_template(list(messages), tokenize=False)
-        ids_prompt = _encode(tokenizer, prompt_text)
-        ids_full = _encode(tokenizer, full_text)
+        ids_prompt = _encode(tokenizer, prompt_text, add_special_tokens)
+        ids_full = _encode(tokenizer, full_text, add_special_tokens)
         # The answer starts where prompt and full rendering diverge (normally right after the prompt; earlier if
         # tokens merge across the boundary), as in TRL's prompt/completion split.
         answer_start = _common_prefix_length(ids_prompt, ids_full)

@@ -93,3 +93,8 @@ def test_recipe_yaml_missing_or_not_a_mapping(tmp_path):
 def test_bad_choice_is_a_config_error():
     with pytest.raises(ConfigError):
         parse_args(["--output_dir", "o", "--chat_template_format", "llama3"])
+
+
+def test_a_repeated_flag_takes_the_last_value_as_argparse_does():
+    # the launch scripts rely on it: extra flags appended after the guide's override them
+    assert parse_args(["--output_dir", "o", "--max_seq_len", "2048", "--max_seq_len", "128"])[3].max_length == 128

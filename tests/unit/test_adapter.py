@@ -1,0 +1,76 @@
+"""The adapter check catches every way a saved adapter can be silently broken."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from sft_recipe.adapter import ADAPTER_WEIGHTS, check_adapter
+
+
+@pytest.fixture()
+def trained_adapter(tiny, tmp_path):
+    """A LoRA adapter on the tiny model whose lora_B tensors are non-zero, as after training."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny.model_dir))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    model.save_pretrained(str(tmp_path / "adapter"))
+    return tmp_path / "adapter"
+
+
+def _rewrite(adapter_dir, change):
+    path = adapter_dir / ADAPTER_WEIGHTS
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path))
+
+
+def test_complete_adapter_passes(trained_adapter):
+    report = check_adapter(str(trained_adapter))
+    assert report.ok, report.summary()
+    assert report.lora_tensors == report.tensors == 2 * 7 * 2  # A and B, 7 linear layers, 2 blocks
+
+
+def test_empty_adapter_fails(trained_adapter):
+    save_file({}, str(trained_adapter / ADAPTER_WEIGHTS))  # what the peft 0.21 FSDP1 bug writes
+    report = check_adapter(str(trained_adapter))
+    assert not report.ok and "28 of 28 expected tensors are missing" in report.summary()
+
+
+def test_missing_tensor_fails(trained_adapter):
+    _rewrite(trained_adapter, lambda t: t.pop(sorted(t)[0]))
+    assert "1 of 28 expected tensors are missing" in check_adapter(str(trained_adapter)).summary()
+
+
+def test_wrong_shape_fails(trained_adapter):
+    def shrink(t):
+        key = next(k for k in t if "lora_A" in k)
+        t[key] = t[key][:2].contiguous()
+    _rewrite(trained_adapter, shrink)
+    summary = check_adapter(str(trained_adapter)).summary()
+    assert "shape (2, " in summary and "expected (4, " in summary
+
+
+def test_untrained_lora_b_fails_only_when_training_happened(trained_adapter):
+    _rewrite(trained_adapter, lambda t: t.update({k: torch.zeros_like(v) for k, v in t.items() if "lora_B" in k}))
+    assert "14 lora_B tensors are all zeros" in check_adapter(str(trained_adapter)).summary()
+    assert check_adapter(str(trained_adapter), trained=False).ok
+
+
+def test_nan_fails(trained_adapter):
+    def poison(t):
+        key = sorted(t)[0]
+        t[key] = torch.full_like(t[key], float("nan"))
+    _rewrite(trained_adapter, poison)
+    assert "holds NaN or inf" in check_adapter(str(trained_adapter)).summary()
+
+
+def test_missing_files_fail(tmp_path):
+    report = check_adapter(str(tmp_path))
+    assert "adapter_config.json is missing" in report.summary()
+    assert "adapter_model.safetensors is missing" in report.summary()
