@@ -12,4 +12,5 @@ if [[ -e "$OUTPUT_DIR/adapter_model.safetensors" ]]; then
 fi
 accelerate launch --config_file configs/cpu/fsdp_config.yaml train.py --config recipes/tiny_demo.yaml \
   --output_dir "$OUTPUT_DIR"
-python -m sft_recipe.evaluate --adapter_dir "$OUTPUT_DIR" --dataset_name .tiny/data/jsonl --split test
+python -m sft_recipe.evaluate --adapter_dir "$OUTPUT_DIR" --dataset_name .tiny/data/jsonl --split test \
+  --fail_if_not_better

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install the pinned dependencies into it.
 #   bash scripts/setup.sh            # what `make demo` and `make test` run first
-# torch is installed on its own first so a machine without GPUs can point pip at a CPU build
-# (TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu), and a GPU machine gets the CUDA build by default.
+# torch is installed on its own first: it is the big one, and a pip configured with a local CPU wheel (as on the
+# CI machines) or a CUDA index then serves it before the rest resolves against it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -12,6 +12,6 @@ if [[ -f "$stamp" ]]; then exit 0; fi
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
 pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@"; }
 torch_pin=$(grep -E '^torch==' requirements.txt)
-if [[ -n "${TORCH_INDEX_URL:-}" ]]; then pip_install "$torch_pin" --index-url "$TORCH_INDEX_URL"; else pip_install "$torch_pin"; fi
+pip_install "$torch_pin"
 pip_install -r requirements-dev.txt
 touch "$stamp"

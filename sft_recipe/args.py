@@ -190,7 +190,7 @@ def parse_args(argv: list[str] | None = None):
     for token in argv:
         if token.startswith("--"):
             name = token[2:].split("=", 1)[0]
-            if name not in known and name not in ALIASES:
+            if name not in known and name not in ALIASES and name != "help":
                 problems.append(f"unknown flag `--{name}`.{_suggest(name, known)} (`python train.py --help` lists them)")
     argv = _rewrite_aliases(argv, problems)
 

@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", default="test")
     parser.add_argument("--max_examples", type=int, default=64)
     parser.add_argument("--samples", type=int, default=4, help="how many answers to print side by side")
+    parser.add_argument("--fail_if_not_better", action="store_true",
+                        help="exit 1 unless the adapter's answer-token accuracy beats the base model's")
     args = parser.parse_args(argv)
 
     from .args import ConfigError, DataTrainingArguments
@@ -79,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.adapter_dir, "eval_before_after.json"), "w") as f:
         json.dump({side: {k: v for k, v in r.items() if k != "samples"} | {"samples": r["samples"][:args.samples]}
                    for side, r in result.items()}, f, indent=2)
+    gain = result["adapter"]["answer_token_accuracy"] - result["base"]["answer_token_accuracy"]
+    if args.fail_if_not_better and gain <= 0:
+        print(f"error: the adapter is not better than its base on held-out prompts (gain {gain:+.3f}).",
+              file=sys.stderr)
+        return 1
     return 0
 
 

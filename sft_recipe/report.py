@@ -100,6 +100,16 @@ class RunFacts(TrainerCallback):
         if torch.cuda.is_available():
             self.facts["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
 
+    def summary_line(self) -> str:
+        f = self.facts
+        how = f"FSDP{f['fsdp_version']}" if f.get("fsdp_version") else f.get("distributed_type", "?")
+        losses = f.get("losses") or [float("nan")]
+        return (f"run summary: {how} on {f.get('num_processes')} x {f.get('device')} ({f.get('wrapped_class')}), "
+                f"{f.get('global_steps')} steps in {f.get('train_seconds')} s, loss {losses[0]:.3f} -> "
+                f"{losses[-1]:.3f}, peak RSS per rank {f.get('peak_rss_mib_per_rank')} MiB, "
+                f"frozen weights {'CHANGED' if f.get('frozen_changed') else 'unchanged'}, "
+                f"trainable weights {'moved' if f.get('trainable_changed') else 'DID NOT MOVE'}")
+
     def write(self, output_dir: str, **extra) -> None:
         if not self.trainer.accelerator.is_main_process:
             return
@@ -107,3 +117,4 @@ class RunFacts(TrainerCallback):
         os.makedirs(output_dir, exist_ok=True)
         with open(os.path.join(output_dir, RUN_FACTS), "w") as f:
             json.dump(self.facts, f, indent=2)
+        print(self.summary_line(), flush=True)

@@ -90,6 +90,7 @@ def test_train_save_verify_reload(name, tiny, tmp_path):
     losses = facts["losses"]
     assert len(losses) == 8 and _mean(losses[-2:]) < _mean(losses[:2]) - 0.05, losses
     assert facts["frozen_changed"] is False and facts["trainable_changed"] is True
+    assert "frozen weights unchanged, trainable weights moved" in result.output  # the run summary line
 
     # The adapter is complete (checked in the run) and loads the way users load it.
     assert "adapter check OK" in result.output

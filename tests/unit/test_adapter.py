@@ -74,3 +74,56 @@ def test_missing_files_fail(tmp_path):
     report = check_adapter(str(tmp_path))
     assert "adapter_config.json is missing" in report.summary()
     assert "adapter_model.safetensors is missing" in report.summary()
+
+
+class _FakeAccelerator:
+    def unwrap_model(self, model):
+        return model
+
+
+class _FakeTrainer:
+    """What `_write_and_check` uses of a Trainer: the accelerator, the model, the tokenizer."""
+
+    def __init__(self, model, tokenizer):
+        self.accelerator, self.model, self.processing_class = _FakeAccelerator(), model, tokenizer
+
+
+def test_a_failed_check_never_replaces_the_previous_adapter(tiny, trained_adapter, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sft_recipe.adapter import AdapterCheckError, _write_and_check
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for f in trained_adapter.iterdir():  # a previous run's good adapter
+        (out / f.name).write_bytes(f.read_bytes())
+    before = (out / ADAPTER_WEIGHTS).read_bytes()
+    # A fresh LoRA model: lora_B is all zeros, as if training never reached it.
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tiny.model_dir)),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    trainer = _FakeTrainer(model, AutoTokenizer.from_pretrained(str(tiny.model_dir)))
+    with pytest.raises(AdapterCheckError, match="lora_B tensors are all zeros"):
+        _write_and_check(trainer, model.state_dict(), str(out), verify=True, trust_remote_code=False)
+    assert (out / ADAPTER_WEIGHTS).read_bytes() == before
+    assert (out / "adapter-FAILED-CHECK" / ADAPTER_WEIGHTS).is_file()
+    assert not list(out.glob(".adapter-writing-*"))
+
+
+def test_a_passing_check_moves_the_files_into_place(tiny, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sft_recipe.adapter import _write_and_check
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tiny.model_dir)),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.01)
+    out = tmp_path / "out"
+    _write_and_check(_FakeTrainer(model, AutoTokenizer.from_pretrained(str(tiny.model_dir))), model.state_dict(),
+                     str(out), verify=True, trust_remote_code=False)
+    assert check_adapter(str(out)).ok and (out / "tokenizer_config.json").is_file()
+    assert not list(out.glob(".adapter-writing-*"))

@@ -88,3 +88,12 @@ def test_text_rows_keep_only_text_and_get_bos_when_asked(tmp_path):
     assert out["train"]["content"] == ["<s>hello", "<s>already"]
     plain = prepare_for_trl(ds, DataTrainingArguments(add_special_tokens=False), "content", FakeTokenizer())
     assert plain["train"]["content"] == ["hello", "<s>already"]
+
+
+def test_upstream_flags_that_do_nothing_say_so():
+    from sft_recipe.data import dataset_flag_notes
+
+    notes = dataset_flag_notes(DataTrainingArguments(append_concat_token=False, add_special_tokens=True), True)
+    assert any("--append_concat_token False has no effect" in n for n in notes)
+    assert any("--add_special_tokens True has no effect on `messages` data" in n for n in notes)
+    assert dataset_flag_notes(DataTrainingArguments(append_concat_token=True, add_special_tokens=True), False) == []
