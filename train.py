@@ -32,12 +32,12 @@ def main(argv: list[str] | None = None) -> None:
     training_args.gradient_checkpointing_kwargs = training_args.activation_checkpointing_kwargs
 
     from transformers import set_seed
-    from trl import SFTTrainer
 
     from sft_recipe.adapter import save_final_adapter
     from sft_recipe.data import dataset_flag_notes, load_splits, prepare_for_trl
     from sft_recipe.model import load_model, load_tokenizer, lora_config
     from sft_recipe.report import RunFacts
+    from sft_recipe.trainer import RecipeSFTTrainer
 
     set_seed(training_args.seed)
 
@@ -50,14 +50,15 @@ def main(argv: list[str] | None = None) -> None:
     # 3. Model, sized to the tokenizer; SFTTrainer wraps it with the LoRA config and FSDP.
     model = load_model(model_args, training_args, tokenizer)
 
-    # 4. Trainer.
-    trainer = SFTTrainer(
+    # 4. Trainer: TRL's, with every adapter save (checkpoints too) gathered, fixed and verified.
+    trainer = RecipeSFTTrainer(
         model=model,
         args=training_args,
         train_dataset=datasets["train"],
         eval_dataset=datasets.get("test"),
         processing_class=tokenizer,
         peft_config=lora_config(model_args),
+        verify_adapter=recipe_args.verify_adapter,
     )
     facts = RunFacts(trainer)
     trainer.add_callback(facts)
@@ -73,14 +74,13 @@ def main(argv: list[str] | None = None) -> None:
     facts.write(training_args.output_dir, model_name_or_path=model_args.model_name_or_path,
                 dataset_name=data_args.dataset_name)
 
-    # 7. Publish.
-    if trainer.accelerator.is_main_process:
-        if training_args.push_to_hub:
-            trainer.push_to_hub()
-        elif recipe_args.defer_push_to_hub:
-            repo = training_args.hub_model_id or os.path.basename(os.path.abspath(training_args.output_dir))
-            print(f"Push deferred. Upload later with: hf upload {repo} {training_args.output_dir} "
-                  f"--private={training_args.hub_private_repo is not False}", flush=True)
+    # 7. Publish (every rank calls push_to_hub: it saves collectively, then the main process uploads).
+    if training_args.push_to_hub:
+        trainer.push_to_hub()
+    elif recipe_args.defer_push_to_hub and trainer.accelerator.is_main_process:
+        repo = training_args.hub_model_id or os.path.basename(os.path.abspath(training_args.output_dir))
+        private = " --private" if training_args.hub_private_repo is not False else ""
+        print(f"Push deferred. Upload later with: hf upload {repo} {training_args.output_dir}{private}", flush=True)
 
 
 def run() -> int:

@@ -156,6 +156,7 @@ def _write_and_check(trainer, state_dict, output_dir: str, verify: bool, trust_r
 
     if verify and isinstance(model, PeftModel):
         report = check_adapter(str(tmp), trust_remote_code=trust_remote_code)
+        report.adapter_dir = str(out)  # name the folder the user will look in, not the temporary one
         logger.info(report.summary())
         print(report.summary(), flush=True)
         if not report.ok:

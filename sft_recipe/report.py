@@ -79,6 +79,10 @@ class RunFacts(TrainerCallback):
             fsdp_modules=sum("FullyShardedDataParallel" in type(m).__name__ or "FSDP" in type(m).__name__
                              for m in wrapped.modules()),
         )
+        flat = [p for p in wrapped.parameters() if getattr(p, "_is_flat_param", False)]
+        if flat:  # FSDP1 use_orig_params=False: PEFT's wrap policy must keep LoRA and frozen weights in separate units
+            self.facts["fsdp1_flat_params"] = {"trainable": sum(p.requires_grad for p in flat),
+                                               "frozen": sum(not p.requires_grad for p in flat)}
         self.facts["checksums_before"] = _all_ranks_sum(accelerator, _local_sums(wrapped))
         self._start = time.time()
 

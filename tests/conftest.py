@@ -48,10 +48,12 @@ def run_command(cmd: list[str], output_dir: Path, env: dict | None = None, timeo
     return RunResult(proc.returncode, proc.stdout, output_dir)
 
 
-def launch_train(config: str, output_dir: Path, args: list[str], env: dict | None = None) -> RunResult:
-    """`accelerate launch --config_file configs/<config> train.py ...` through the real launcher."""
+def launch_train(config: str, output_dir: Path, args: list[str], env: dict | None = None,
+                 launcher_args: tuple[str, ...] = ()) -> RunResult:
+    """`accelerate launch --config_file configs/<config> [launcher_args] train.py ...` through the real launcher."""
     cmd = [os.path.join(_bin_dir(), "accelerate"), "launch", "--config_file", str(REPO / "configs" / config),
-           "--main_process_port", str(_free_port()), "train.py", "--output_dir", str(output_dir), *args]
+           "--main_process_port", str(_free_port()), *launcher_args, "train.py", "--output_dir", str(output_dir),
+           *args]
     return run_command(cmd, output_dir, env)
 
 

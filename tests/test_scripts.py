@@ -2,7 +2,7 @@
 
 Only what this machine forces is overridden, through the scripts' documented knobs (env MODEL/DATASET/OUTPUT_DIR/
 ACCELERATE_CONFIG/NUM_PROCESSES, extra flags appended): a local model and dataset, a CPU accelerate config
-(no GPU here), --use_flash_attn False (flash-attn needs CUDA), --push_to_hub False (no Hub), and a few steps.
+(no GPU here), --use_flash_attn False (flash-attn needs CUDA), no upload (no Hub), and a few steps.
 """
 
 import re
@@ -14,7 +14,7 @@ import pytest
 from sft_recipe.args import parse_args
 from tests.conftest import REPO, launch_env, run_command
 
-TINY_SCALE = ["--use_flash_attn", "False", "--push_to_hub", "False", "--max_steps", "3", "--max_seq_len", "128",
+TINY_SCALE = ["--use_flash_attn", "False", "--max_steps", "3", "--max_seq_len", "128",
               "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2", "--logging_steps", "1"]
 
 
@@ -27,7 +27,9 @@ def _script_env(tiny, config, output_dir):
 
 def test_run_peft_fsdp_sh(tiny, tmp_path):
     out = tmp_path / "lora"
-    result = run_command(["bash", "run_peft_fsdp.sh", *TINY_SCALE, "--bf16", "False"], out,
+    # The guide's --push_to_hub stays; offline, --defer_push_to_hub trains now and prints the upload command.
+    result = run_command(["bash", "run_peft_fsdp.sh", *TINY_SCALE, "--bf16", "False", "--defer_push_to_hub", "True"],
+                         out,
                          env=_script_env(tiny, "configs/cpu/fsdp_config.yaml", out))
     assert result.returncode == 0, result.output[-5000:]
     facts = result.facts
@@ -35,12 +37,23 @@ def test_run_peft_fsdp_sh(tiny, tmp_path):
     assert "adapter check OK" in result.output and facts["eval_losses"]  # --eval_strategy epoch ran
     assert (out / "adapter_model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()
     assert list(out.glob("checkpoint-*")), "--save_strategy epoch wrote a checkpoint"
+    assert f"Push deferred. Upload later with: hf upload lora {out} --private" in result.output
+
+
+def test_guide_command_offline_fails_early_naming_the_fix(tiny, tmp_path):
+    out = tmp_path / "as-written"
+    result = run_command(["bash", "run_peft_fsdp.sh", *TINY_SCALE, "--bf16", "False"], out,
+                         env=_script_env(tiny, "configs/cpu/fsdp_config.yaml", out))
+    assert result.returncode != 0
+    assert "--push_to_hub: HF_HUB_OFFLINE is set" in result.output and "--defer_push_to_hub True" in result.output
+    assert not out.exists(), "nothing was trained or written"
 
 
 def test_run_peft_qlora_fsdp_sh(tiny, tmp_path):
     out = tmp_path / "qlora"
     # bf16 stays on as in the guide (storage dtype bfloat16 = model dtype); compute in fp32 for CPU speed.
-    result = run_command(["bash", "run_peft_qlora_fsdp.sh", *TINY_SCALE, "--bnb_4bit_compute_dtype", "float32"],
+    result = run_command(["bash", "run_peft_qlora_fsdp.sh", *TINY_SCALE, "--bnb_4bit_compute_dtype", "float32",
+                          "--push_to_hub", "False"],
                          out, env=_script_env(tiny, "configs/cpu/fsdp2_config.yaml", out))
     assert result.returncode == 0, result.output[-5000:]
     facts = result.facts

@@ -34,9 +34,10 @@ SCENARIOS = {
     "lora-fsdp1": ("cpu/fsdp_config.yaml", "disk", "chatml", [], ("FSDP", 1)),
     "lora-fsdp2": ("cpu/fsdp2_config.yaml", "parquet", "zephyr", [], ("FSDP", 2)),
     "qlora-single": ("cpu/single.yaml", "jsonl", "none", QLORA_FLAGS, ("NO", None)),
-    "qlora-fsdp1": ("cpu/fsdp_config.yaml", "jsonl", "chatml", QLORA_FLAGS, ("FSDP", 1)),
-    "qlora-fsdp2": ("cpu/fsdp2_config.yaml", "text", "none", QLORA_FLAGS + ["--dataset_text_field", "content"],
-                    ("FSDP", 2)),
+    "qlora-fsdp1": ("cpu/fsdp_config.yaml", "text", "none", QLORA_FLAGS + ["--dataset_text_field", "content"],
+                    ("FSDP", 1)),
+    # FSDP2 keeps cpu_ram_efficient_loading on: QLoRA + chatml resize with non-main ranks loading on meta.
+    "qlora-fsdp2": ("cpu/fsdp2_config.yaml", "jsonl", "chatml", QLORA_FLAGS, ("FSDP", 2)),
 }
 
 
@@ -80,6 +81,8 @@ def test_train_save_verify_reload(name, tiny, tmp_path):
     assert facts["distributed_type"] == distributed_type and facts["fsdp_version"] == fsdp_version
     if fsdp_version == 1:
         assert facts["wrapped_class"] == "FullyShardedDataParallel" and facts["num_processes"] == 2
+        # PEFT's auto-wrap policy (applied by transformers) keeps LoRA and frozen weights in separate flat params.
+        assert facts["fsdp1_flat_params"]["trainable"] > 0 and facts["fsdp1_flat_params"]["frozen"] > 0
     elif fsdp_version == 2:
         assert facts["wrapped_class"].startswith("FSDP") and facts["dtensor_params"] > 0
         assert facts["num_processes"] == 2
@@ -107,3 +110,20 @@ def test_train_save_verify_reload(name, tiny, tmp_path):
         assert loaded.get_input_embeddings().weight.shape[0] == len(AutoTokenizer.from_pretrained(str(out)))
     if fsdp_version == 1:  # the peft 0.21 FSDP1 key bug is worked around, and we can see whether it is still needed
         assert "adapter keys needed the FSDP1 name fix" in result.output
+
+
+def test_checkpoint_adapters_are_verified_too(tiny, tmp_path):
+    """Every save that writes adapter files goes through the same checked save as the final adapter."""
+    from sft_recipe.adapter import check_adapter
+
+    out = tmp_path / "ckpt"
+    result = launch_train("cpu/single.yaml", out, [
+        "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
+        *TRAIN_FLAGS, "--save_strategy", "steps", "--save_steps", "4",
+    ])
+    assert result.returncode == 0, result.output[-6000:]
+    for step in (4, 8):
+        checkpoint = out / f"checkpoint-{step}"
+        assert f"adapter check OK: {checkpoint}:" in result.output
+        assert check_adapter(str(checkpoint)).ok
+        assert (checkpoint / "optimizer.pt").is_file() or (checkpoint / "optimizer.bin").is_file()
