@@ -6,9 +6,9 @@
 #   ACCELERATE_CONFIG=configs/fsdp_config.yaml  NUM_PROCESSES=(from the config)
 # Tiny CPU dry run (no GPU, no Hub), as the tests do:
 #   python -m sft_recipe.tiny --output_dir .tiny
-#   ACCELERATE_USE_CPU=true ACCELERATE_CONFIG=configs/cpu/fsdp_config.yaml NUM_PROCESSES=2 MODEL=.tiny/model \
-#     DATASET=.tiny/data/jsonl OUTPUT_DIR=runs/lora-dry bash run_peft_fsdp.sh --bf16 False --use_flash_attn False \
-#     --push_to_hub False --max_steps 3 --max_seq_len 256
+#   ACCELERATE_USE_CPU=true ACCELERATE_CONFIG=configs/cpu/fsdp2_config.yaml NUM_PROCESSES=2 MODEL=.tiny/model \
+#     DATASET=.tiny/data/jsonl OUTPUT_DIR=runs/lora-dry bash run_peft_fsdp.sh --use_flash_attn False \
+#     --defer_push_to_hub True --max_steps 3 --max_seq_len 128
 set -euo pipefail
 cd "$(dirname "$0")"
 

@@ -6,9 +6,9 @@
 #   ACCELERATE_CONFIG=configs/fsdp_config_qlora.yaml  NUM_PROCESSES=(from the config)
 # Tiny CPU dry run (no GPU, no Hub), as the tests do:
 #   python -m sft_recipe.tiny --output_dir .tiny
-#   ACCELERATE_USE_CPU=true ACCELERATE_CONFIG=configs/cpu/fsdp2_config.yaml NUM_PROCESSES=2 MODEL=.tiny/model \
+#   ACCELERATE_USE_CPU=true ACCELERATE_CONFIG=configs/cpu/fsdp_config.yaml NUM_PROCESSES=2 MODEL=.tiny/model \
 #     DATASET=.tiny/data/jsonl OUTPUT_DIR=runs/qlora-dry bash run_peft_qlora_fsdp.sh --use_flash_attn False \
-#     --bnb_4bit_compute_dtype float32 --push_to_hub False --max_steps 3 --max_seq_len 256
+#     --bnb_4bit_compute_dtype float32 --push_to_hub False --max_steps 3 --max_seq_len 128
 set -euo pipefail
 cd "$(dirname "$0")"
 

@@ -94,18 +94,14 @@ def bnb_config(model_args: ModelArguments):
     )
 
 
-def model_dtype(model_args: ModelArguments, bf16: bool, fp16: bool) -> torch.dtype:
-    """The dtype weights are loaded in.
-
-    4-bit: the storage dtype (the guide's rule: FSDP flattens parameters of one dtype, so the packed 4-bit storage must
-    match the rest of the model). Otherwise the training precision: bf16/fp16 when asked, else fp32.
-    """
-    if model_args.use_4bit_quantization and model_args.bnb_4bit_quant_storage_dtype != "uint8":
-        return DTYPES[model_args.bnb_4bit_quant_storage_dtype]
-    if bf16:
-        return torch.bfloat16
-    if fp16:
-        return torch.float16
+def model_dtype(model_args: ModelArguments) -> torch.dtype:
+    """The dtype weights are loaded in, as upstream: 4-bit with a float storage dtype loads in that dtype (the guide's
+    rule: FSDP flattens parameters of one dtype, so the packed 4-bit storage must match the rest of the model);
+    everything else loads in fp32 and `--bf16` trains with bf16 mixed precision over fp32 master weights (the LoRA
+    weights and their optimizer state stay fp32)."""
+    storage = DTYPES[model_args.bnb_4bit_quant_storage_dtype]
+    if model_args.use_4bit_quantization and storage.is_floating_point:
+        return storage
     return torch.float32
 
 
@@ -130,7 +126,7 @@ def load_model(model_args: ModelArguments, training_args, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(
         model_args.model_name_or_path,
         quantization_config=bnb_config(model_args),
-        dtype=model_dtype(model_args, training_args.bf16, training_args.fp16),
+        dtype=model_dtype(model_args),
         attn_implementation=attn_implementation(model_args),
         trust_remote_code=training_args.trust_remote_code,
     )

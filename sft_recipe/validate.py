@@ -55,8 +55,13 @@ def _model_problems(m: ModelArguments, t) -> list[str]:
     return problems
 
 
-def _training_problems(r: RecipeArguments, t) -> list[str]:
+def _training_problems(m: ModelArguments, r: RecipeArguments, t) -> list[str]:
     problems = []
+    fsdp1_on_cpu = compat.fsdp_on_cpu_requested() and os.environ.get("FSDP_VERSION", "1") == "1"
+    if fsdp1_on_cpu and t.bf16 and t.gradient_checkpointing and not m.use_reentrant:
+        problems.append("FSDP1 on CPU with --bf16 True and --gradient_checkpointing True --use_reentrant False fails "
+                        "in backward (recomputed activations come back bf16 where fp32 was saved). Fix: "
+                        "--use_reentrant True, or --bf16 False, or FSDP2 (configs/cpu/fsdp2_config.yaml).")
     if t.max_length is not None and t.max_length <= 0:
         problems.append(f"--max_seq_len/--max_length {t.max_length}: must be a positive number of tokens.")
     out = Path(t.output_dir)
@@ -84,7 +89,7 @@ def _hub_token_present() -> bool:
 
 def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t) -> None:
     """Raise ConfigError listing every problem in the configuration; cheap, loads no weights."""
-    problems = _model_problems(m, t) + _training_problems(r, t)
+    problems = _model_problems(m, t) + _training_problems(m, r, t)
     problems += locate_splits(d)[1]
     local_model = Path(m.model_name_or_path)
     if m.model_name_or_path.startswith((".", "/")) and not local_model.exists():

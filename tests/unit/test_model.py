@@ -60,9 +60,9 @@ def test_4bit_config_follows_the_flags():
 
 def test_model_dtype_equals_quant_storage_dtype_when_4bit():
     q = ModelArguments(use_4bit_quantization=True, bnb_4bit_quant_storage_dtype="bfloat16")
-    assert model_dtype(q, bf16=False, fp16=False) == torch.bfloat16  # the guide's rule
-    assert model_dtype(ModelArguments(), bf16=True, fp16=False) == torch.bfloat16
-    assert model_dtype(ModelArguments(), bf16=False, fp16=False) == torch.float32
+    assert model_dtype(q) == torch.bfloat16  # the guide's rule
+    assert model_dtype(ModelArguments(use_4bit_quantization=True)) == torch.float32  # uint8 storage: not a dtype
+    assert model_dtype(ModelArguments()) == torch.float32  # --bf16 is mixed precision over fp32 weights
 
 
 def test_lora_config_targets():

@@ -60,6 +60,15 @@ def test_fsdp_only_mistakes(good, monkeypatch):
     assert "loads the model in bfloat16, but --bf16 is off" in text
 
 
+def test_fsdp1_cpu_bf16_nonreentrant_checkpointing_is_refused(good, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    flags = ["--bf16", "True", "--gradient_checkpointing", "True", "--use_reentrant", "False"]
+    assert "Fix: --use_reentrant True" in _problems(good + flags, monkeypatch, fsdp=True)
+    monkeypatch.setenv("FSDP_VERSION", "2")  # FSDP2 handles it
+    validate(*parse_args(good + flags))
+
+
 def test_push_later_is_accepted_offline(good, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     validate(*parse_args(good + ["--push_to_hub", "True", "--defer_push_to_hub", "True"]))
