@@ -25,6 +25,11 @@ def main(argv: list[str] | None = None) -> None:
     from sft_recipe.validate import validate
 
     validate(model_args, data_args, recipe_args, training_args)
+    from sft_recipe.checkpoints import move_previous_run_aside, resolve_resume
+
+    resume_from = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)[0]
+    if recipe_args.overwrite_output_dir and not resume_from and os.environ.get("RANK", "0") == "0":
+        move_previous_run_aside(training_args.output_dir)
     if training_args.push_to_hub and recipe_args.defer_push_to_hub:
         training_args.push_to_hub = False
     # transformers 5.24 reads activation_checkpointing_kwargs while TRL 1.16 still reads the old name: set both.
@@ -66,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer.model.print_trainable_parameters()
 
     # 5. Train.
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume_from)
 
     # 6. Save the FULL_STATE_DICT adapter (all ranks take part) and verify it before it replaces anything.
     save_final_adapter(trainer, training_args.output_dir, verify=recipe_args.verify_adapter,

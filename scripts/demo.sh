@@ -6,10 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUTPUT_DIR=${1:-runs/demo}
 export PATH="$PWD/.venv/bin:$PATH" ACCELERATE_USE_CPU=true HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
-if [[ -e "$OUTPUT_DIR/adapter_model.safetensors" ]]; then
-  echo "$OUTPUT_DIR already holds an adapter; choose another folder: make demo DEMO_DIR=runs/demo2" >&2
-  exit 2
-fi
 accelerate launch --config_file configs/cpu/fsdp_config.yaml train.py --config recipes/tiny_demo.yaml \
   --output_dir "$OUTPUT_DIR"
 python -m sft_recipe.evaluate --adapter_dir "$OUTPUT_DIR" --dataset_name .tiny/data/jsonl --split test \

@@ -94,6 +94,12 @@ class RecipeArguments:
         metadata={"help": "After saving, check the adapter holds every LoRA tensor with the right shape and that "
                           "lora_B moved. A failed check stops the run with a non-zero exit."},
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Train into an output_dir that holds a previous run's adapter or checkpoints (its checkpoints "
+                          "are moved to output_dir/previous-run-<time>/). Without it such a run is refused; "
+                          "--resume_from_checkpoint latest continues the previous run instead."},
+    )
     defer_push_to_hub: bool = field(
         default=False,
         metadata={"help": "With --push_to_hub: train now without Hub access and print the upload command at the end."},

@@ -145,3 +145,46 @@ def gather_full_state_dict(accelerator, wrapped_model) -> dict[str, torch.Tensor
     if not accelerator.is_main_process:
         return {}
     return {strip_wrapper_segments(k): v for k, v in state_dict.items()}
+
+
+def fsdp1_checkpoint_model_io_with_clean_names() -> None:
+    """Make FSDP1 checkpoints save and load the LoRA weights.
+
+    Bug (peft 0.21 via accelerate 1.15): `save_fsdp_model(..., adapter_only=True)` (what transformers passes for PEFT)
+    selects the adapter with `get_peft_model_state_dict`, which misses every LoRA key under FSDP1 (see
+    `module_names_without_fsdp_segments`): the checkpoint holds no LoRA weights and a resume continues from fresh
+    ones, exit code 0. Fix here: transformers' references to `save_fsdp_model`/`load_fsdp_model` run with clean module
+    names for FSDP1. Only the model I/O is wrapped: FSDP's optimizer-state mapping must keep the real names.
+    When it can go: with this patch off, `tests/e2e/test_resume.py` FSDP1 still matches the uninterrupted run.
+    """
+    import transformers.trainer as trainer_module
+
+    for name in ("save_fsdp_model", "load_fsdp_model"):
+        original = getattr(trainer_module, name)
+        if getattr(original, "_sft_recipe_clean_names", False):
+            continue
+
+        def with_clean_names(fsdp_plugin, accelerator, model, *args, _original=original, **kwargs):
+            if fsdp_plugin.fsdp_version != 1:
+                return _original(fsdp_plugin, accelerator, model, *args, **kwargs)
+            with module_names_without_fsdp_segments(model):
+                return _original(fsdp_plugin, accelerator, model, *args, **kwargs)
+
+        with_clean_names._sft_recipe_clean_names = True
+        setattr(trainer_module, name, with_clean_names)
+
+
+def init_optimizer_state_before_fsdp1_load(optimizer) -> None:
+    """Give a fresh optimizer its state tensors so an FSDP1 sharded optimizer checkpoint has somewhere to load into.
+
+    Bug (accelerate 1.15 `load_fsdp_optimizer`, FSDP1): the load template is built from the optimizer's current
+    state; on resume that state is still empty, so the checkpoint's Adam moments are silently dropped and training
+    continues from fresh moments (the first resumed step matches, later ones drift). torch's own
+    `_init_optim_state` (what `set_optimizer_state_dict` does for FSDP2) creates the state with a zero-lr step.
+    When it can go: `tests/e2e/test_resume.py` FSDP1 still matches the uninterrupted run without this call.
+    """
+    if any(optimizer.state.values()):
+        return
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)

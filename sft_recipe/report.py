@@ -51,6 +51,11 @@ def _all_ranks_sum(accelerator, values: tuple[int, int]) -> list[int]:
     return [int(x) for x in accelerator.reduce(t, reduction="sum")] if accelerator.num_processes > 1 else list(values)
 
 
+def trainable_checksum(accelerator, model) -> int:
+    """Collective under FSDP: the checksum of all trainable weights, summed over ranks."""
+    return _all_ranks_sum(accelerator, _local_sums(model))[1]
+
+
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 

@@ -1,22 +1,27 @@
-"""SFTTrainer whose adapter saves, checkpoints included, are gathered, fixed and verified like the final one."""
+"""SFTTrainer with the recipe's guarantees on every save and resume.
+
+- Every save that writes adapter files goes through `adapter.save_final_adapter` (gathered, fixed, verified).
+- FSDP1 checkpoints save and load the LoRA weights (peft 0.21's naming bug otherwise saves none and resumes from
+  fresh LoRA weights with exit code 0).
+- A resume that loads no trainable weights stops the run instead of silently training from scratch.
+"""
 
 from __future__ import annotations
 
 from trl import SFTTrainer
 
+from . import compat
 from .adapter import save_final_adapter
+from .checkpoints import mark_complete
+
+
+class ResumeError(RuntimeError):
+    pass
 
 
 class RecipeSFTTrainer(SFTTrainer):
-    """Routes every save that writes adapter files through `adapter.save_final_adapter`.
-
-    So checkpoints of single-process runs and FULL_STATE_DICT adapter saves are checked like the final adapter.
-    SHARDED_STATE_DICT checkpoints write no adapter files and keep the library's path. (FSDP checkpoints with
-    FULL_STATE_DICT also go through accelerate's `save_fsdp_model`, which still hits the peft 0.21 naming bug and, on
-    CPU, the offload crash: checkpoint/resume under FSDP is not yet covered by this recipe.)
-    """
-
     def __init__(self, *args, verify_adapter: bool = True, **kwargs):
+        compat.fsdp1_checkpoint_model_io_with_clean_names()
         super().__init__(*args, **kwargs)
         self.verify_adapter = verify_adapter
 
@@ -30,6 +35,7 @@ class RecipeSFTTrainer(SFTTrainer):
         return "FULL_STATE_DICT" in str(self.accelerator.state.fsdp_plugin.state_dict_type)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Adapter saves (single process, or FSDP FULL_STATE_DICT) are checked like the final adapter."""
         if not self._writes_adapter_files():
             super().save_model(output_dir, _internal_call)
             return
@@ -37,3 +43,39 @@ class RecipeSFTTrainer(SFTTrainer):
                            trust_remote_code=self.args.trust_remote_code)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_checkpoint(self, model, trial):
+        """Mark the checkpoint complete once every rank has written it (resume skips unmarked ones)."""
+        import os
+
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        super()._save_checkpoint(model, trial)
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            mark_complete(folder, self.state.global_step)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        from .report import trainable_checksum
+
+        target = model if model is not None else self.model
+        before = trainable_checksum(self.accelerator, target)
+        result = super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if trainable_checksum(self.accelerator, target) == before:
+            raise ResumeError(
+                f"resuming from {resume_from_checkpoint} loaded no trainable weights: training would silently "
+                "restart from fresh LoRA weights. The checkpoint may come from another model/adapter config, or "
+                "was written without its adapter weights.")
+        return result
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if plugin is not None and plugin.fsdp_version == 1:
+            compat.init_optimizer_state_before_fsdp1_load(self.optimizer)
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if not any(self.optimizer.state.values()):
+            raise ResumeError(f"resuming from {checkpoint} restored no optimizer state: training would continue "
+                              "with fresh Adam moments and diverge from the interrupted run.")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from . import compat
 from .args import ConfigError, DataTrainingArguments, ModelArguments, RecipeArguments
+from .checkpoints import previous_results, resolve_resume
 from .data import locate_splits
 from .model import DTYPES, flash_attn_problem
 
@@ -68,6 +69,12 @@ def _training_problems(m: ModelArguments, r: RecipeArguments, t) -> list[str]:
     probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
     if not os.access(probe, os.W_OK):
         problems.append(f"--output_dir {t.output_dir}: {probe} is not writable. Fix: choose a folder you can write.")
+    problems += resolve_resume(t.resume_from_checkpoint, t.output_dir)[1]
+    previous = previous_results(t.output_dir)
+    if previous and not t.resume_from_checkpoint and not r.overwrite_output_dir:
+        problems.append(f"--output_dir {t.output_dir} holds a previous run ({', '.join(previous[:4])}). Fix: "
+                        "--resume_from_checkpoint latest to continue it, --overwrite_output_dir True to train anew "
+                        "there, or another --output_dir.")
     if t.push_to_hub and not r.defer_push_to_hub:
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
         if offline or not _hub_token_present():

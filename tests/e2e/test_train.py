@@ -23,7 +23,7 @@ TRAIN_FLAGS = [
 ]
 QLORA_FLAGS = [
     "--use_4bit_quantization", "True", "--use_nested_quant", "True", "--bnb_4bit_quant_type", "nf4",
-    "--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16", "True",
+    "--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16", "True", "--use_reentrant", "True",  # as the guide
     # fp32 compute: bf16 matmuls are emulated on this CPU (~20x slower); storage stays bf16 as in the guide.
     "--bnb_4bit_compute_dtype", "float32",
 ]

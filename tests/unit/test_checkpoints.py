@@ -1,0 +1,86 @@
+"""Checkpoint completeness, resume resolution, protecting a previous run's results, and the empty-resume guard."""
+
+import pytest
+
+from sft_recipe.args import ConfigError, parse_args
+from sft_recipe.checkpoints import (COMPLETE_MARKER, latest_complete_checkpoint, mark_complete,
+                                    move_previous_run_aside, resolve_resume)
+from sft_recipe.validate import validate
+
+
+def _checkpoint(root, step, complete=True):
+    path = root / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    if complete:
+        mark_complete(path, step)
+    return path
+
+
+def test_latest_complete_skips_newer_incomplete_ones(tmp_path):
+    _checkpoint(tmp_path, 4)
+    _checkpoint(tmp_path, 12)
+    _checkpoint(tmp_path, 16, complete=False)
+    (tmp_path / "checkpoint-x").mkdir()
+    path, skipped = latest_complete_checkpoint(tmp_path)
+    assert path.name == "checkpoint-12" and [p.name for p in skipped] == ["checkpoint-16"]
+    assert resolve_resume("latest", str(tmp_path)) == (str(path), [])
+
+
+def test_resume_problems_name_the_fix(tmp_path):
+    _checkpoint(tmp_path, 3, complete=False)
+    assert "no complete checkpoint" in resolve_resume("latest", str(tmp_path))[1][0]
+    assert "1 incomplete ones skipped" in resolve_resume("latest", str(tmp_path))[1][0]
+    assert "incomplete checkpoint" in resolve_resume(str(tmp_path / "checkpoint-3"), str(tmp_path))[1][0]
+    assert "no such checkpoint folder" in resolve_resume(str(tmp_path / "nope"), str(tmp_path))[1][0]
+    assert resolve_resume(None, str(tmp_path)) == (None, [])
+
+
+def test_marker_is_written_whole(tmp_path):
+    mark_complete(tmp_path, 7)
+    assert (tmp_path / COMPLETE_MARKER).read_text().startswith('{"global_step": 7')
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_previous_run_is_not_overwritten_without_a_choice(tiny, tmp_path):
+    out = tmp_path / "out"
+    _checkpoint(out, 8)
+    (out / "adapter_model.safetensors").write_bytes(b"x")
+    base = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
+            "--output_dir", str(out)]
+    with pytest.raises(ConfigError, match="holds a previous run .adapter_model.safetensors, checkpoint-8"):
+        validate(*parse_args(base))
+    validate(*parse_args(base + ["--overwrite_output_dir", "True"]))
+    validate(*parse_args(base + ["--resume_from_checkpoint", "latest"]))
+
+
+def test_overwrite_moves_old_checkpoints_aside_and_deletes_nothing(tmp_path):
+    _checkpoint(tmp_path, 8)
+    (tmp_path / "checkpoint-8" / "weights").write_text("keep me")
+    aside = move_previous_run_aside(tmp_path)
+    assert (aside / "checkpoint-8" / "weights").read_text() == "keep me"
+    assert not (tmp_path / "checkpoint-8").exists()
+    assert move_previous_run_aside(tmp_path) is None
+
+
+def test_a_resume_that_loads_nothing_stops_the_run(tiny, tmp_path, monkeypatch):
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from sft_recipe.trainer import RecipeSFTTrainer, ResumeError
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny.model_dir))
+    tokenizer.pad_token = tokenizer.eos_token
+    trainer = RecipeSFTTrainer(
+        model=AutoModelForCausalLM.from_pretrained(str(tiny.model_dir)),
+        args=SFTConfig(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True),
+        train_dataset=Dataset.from_list([{"text": "hello world"}] * 4), processing_class=tokenizer,
+        peft_config=LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    monkeypatch.setattr(SFTTrainer, "_load_from_checkpoint", lambda self, path, model=None: None)  # loads nothing
+    with pytest.raises(ResumeError, match="loaded no trainable weights"):
+        trainer._load_from_checkpoint(str(tmp_path))
+    trainer.create_optimizer_and_scheduler(num_training_steps=4)
+    monkeypatch.setattr(SFTTrainer, "_load_optimizer_and_scheduler", lambda self, checkpoint: None)
+    with pytest.raises(ResumeError, match="restored no optimizer state"):
+        trainer._load_optimizer_and_scheduler(str(tmp_path))
