@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     from sft_recipe.adapter import save_final_adapter
     from sft_recipe.data import dataset_flag_notes, load_splits, prepare_for_trl
     from sft_recipe.model import load_model, load_tokenizer, lora_config
+    from sft_recipe.preemption import PreemptionCallback
     from sft_recipe.report import RunFacts
     from sft_recipe.trainer import RecipeSFTTrainer
 
@@ -65,13 +66,15 @@ def main(argv: list[str] | None = None) -> None:
         peft_config=lora_config(model_args),
         verify_adapter=recipe_args.verify_adapter,
     )
-    facts = RunFacts(trainer)
+    facts, preemption = RunFacts(trainer), PreemptionCallback(trainer)
     trainer.add_callback(facts)
+    trainer.add_callback(preemption)
     if model_args.use_peft_lora and trainer.accelerator.is_main_process:
         trainer.model.print_trainable_parameters()
 
-    # 5. Train.
+    # 5. Train. SIGTERM/SIGUSR1 on any rank: every rank checkpoints at the same step, then we exit to be resumed.
     trainer.train(resume_from_checkpoint=resume_from)
+    preemption.raise_if_preempted(training_args.output_dir)
 
     # 6. Save the FULL_STATE_DICT adapter (all ranks take part) and verify it before it replaces anything.
     save_final_adapter(trainer, training_args.output_dir, verify=recipe_args.verify_adapter,
@@ -89,14 +92,21 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run() -> int:
-    """Entry point: user mistakes exit 2 with the list of problems and no traceback."""
+    """Entry point: user mistakes exit 2 with the list of problems and no traceback; a preempted run exits 75."""
+    from sft_recipe.preemption import PREEMPTED_EXIT_CODE, Preempted
+
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    main_rank = os.environ.get("RANK", "0") == "0"
     try:
         main()
     except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":
+        if main_rank:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except Preempted as e:
+        if main_rank:
+            print(f"preempted: {e}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
     return 0
 
 

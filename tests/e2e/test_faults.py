@@ -1,0 +1,125 @@
+"""Preemption and faults lose nothing.
+
+- SIGTERM / SIGUSR1 sent to ONE rank of a 2-rank FSDP run: all ranks stop at the same step, write a complete
+  checkpoint, exit 75 with a message saying how to resume; resuming matches a run that was never interrupted.
+- SIGKILL of one rank: the launcher and the surviving rank exit within a bounded time, and the last complete
+  checkpoint is intact and is what `--resume_from_checkpoint latest` picks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from sft_recipe.checkpoints import latest_complete_checkpoint
+from tests.conftest import REPO, _bin_dir, _free_port, launch_env, launch_train
+from tests.e2e.test_parity import RELATIVE_TOLERANCE
+
+FLAGS = ["--use_peft_lora", "True", "--lora_target_modules", "all-linear", "--lora_r", "8", "--lora_alpha", "16",
+         "--lora_dropout", "0", "--max_steps", "30", "--max_seq_len", "128", "--report_to", "none",
+         "--eval_strategy", "no", "--logging_steps", "1", "--seed", "3", "--learning_rate", "3e-3",
+         "--packing", "True", "--per_device_train_batch_size", "4"]
+CONFIG = "cpu/fsdp2_config.yaml"
+
+
+def _start(tiny, output_dir, extra):
+    cmd = [os.path.join(_bin_dir(), "accelerate"), "launch", "--config_file", str(REPO / "configs" / CONFIG),
+           "--main_process_port", str(_free_port()), "train.py", "--output_dir", str(output_dir),
+           "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir), *FLAGS, *extra]
+    log = open(output_dir.parent / f"{output_dir.name}.log", "w+")
+    return subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=log, stderr=subprocess.STDOUT, text=True), log
+
+
+def _rank_pid(launcher: subprocess.Popen, rank: int, timeout_s: float = 120) -> int:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        for child in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                if "train.py" in " ".join(child.cmdline()) and child.environ().get("RANK") == str(rank):
+                    return child.pid
+            except psutil.Error:
+                continue
+        time.sleep(0.2)
+    raise AssertionError(f"rank {rank} never started")
+
+
+def _wait_for_training(log, steps: int, timeout_s: float = 180) -> None:
+    """Until the run has logged `steps` losses (so the signal lands mid-training)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        log.seek(0)
+        if log.read().count("'loss'") >= steps:
+            return
+        time.sleep(0.1)
+    raise AssertionError("training never started")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("faults") / "full"
+    result = launch_train(CONFIG, out, ["--model_name_or_path", str(tiny.model_dir), "--dataset_name",
+                                        str(tiny.jsonl_dir), *FLAGS, "--save_strategy", "no"])
+    assert result.returncode == 0, result.output[-4000:]
+    return result.facts["losses"]
+
+
+@pytest.mark.parametrize("signum,rank", [(signal.SIGTERM, 1), (signal.SIGUSR1, 0)])
+def test_signal_on_one_rank_checkpoints_and_resumes_exactly(signum, rank, tiny, tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    launcher, log = _start(tiny, out, ["--save_strategy", "no"])
+    try:
+        pid = _rank_pid(launcher, rank)
+        _wait_for_training(log, steps=2)
+        os.kill(pid, signum)
+        launcher.wait(timeout=180)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    log.seek(0)
+    output = log.read()
+    assert launcher.returncode != 0
+    assert "exitcode  : 75" in output  # the ranks' own exit code, reported by the launcher
+    assert f"preempted: stopped by {signal.Signals(signum).name}" in output or \
+        "preempted: stopped by a signal on another rank" in output
+    assert "--resume_from_checkpoint latest" in output
+    checkpoint, _ = latest_complete_checkpoint(out)
+    assert checkpoint is not None, output[-3000:]
+    stopped_at = int(checkpoint.name.split("-")[1])
+    assert 2 <= stopped_at < 30
+    assert not (out / "adapter_model.safetensors").exists()  # no final adapter from an unfinished run
+
+    resumed = launch_train(CONFIG, out, ["--model_name_or_path", str(tiny.model_dir), "--dataset_name",
+                                         str(tiny.jsonl_dir), *FLAGS, "--save_strategy", "no",
+                                         "--resume_from_checkpoint", "latest"])
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    losses = resumed.facts["losses"]
+    assert len(losses) == 30
+    for step in range(stopped_at, 30):
+        assert abs(losses[step] - uninterrupted[step]) <= RELATIVE_TOLERANCE * abs(uninterrupted[step]), step + 1
+
+
+def test_sigkill_of_one_rank_ends_the_run_and_keeps_the_last_checkpoint(tiny, tmp_path):
+    out = tmp_path / "run"
+    launcher, log = _start(tiny, out, ["--save_strategy", "steps", "--save_steps", "2", "--ddp_timeout", "60"])
+    try:
+        pid = _rank_pid(launcher, 1)
+        _wait_for_training(log, steps=5)
+        os.kill(pid, signal.SIGKILL)
+        started = time.time()
+        launcher.wait(timeout=120)
+        elapsed_s = time.time() - started
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0 and elapsed_s < 90
+    for child in psutil.Process().children(recursive=True):  # no orphaned rank left running
+        assert "train.py" not in " ".join(child.cmdline())
+    checkpoint, _ = latest_complete_checkpoint(out)
+    assert checkpoint is not None and int(checkpoint.name.split("-")[1]) >= 2
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):  # both sharded parts were finished (DCP writes .metadata last)
+        assert (checkpoint / part / ".metadata").is_file()
