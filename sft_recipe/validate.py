@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from .data import locate_splits
 from .model import DTYPES, flash_attn_problem
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+logger = logging.getLogger(__name__)
 
 
 def _model_problems(m: ModelArguments, t) -> list[str]:
@@ -31,7 +33,7 @@ def _model_problems(m: ModelArguments, t) -> list[str]:
         value = getattr(m, flag)
         if value not in DTYPES:
             problems.append(f"--{flag} '{value}' is not a dtype; use one of {sorted(DTYPES)}.")
-    if m.bnb_4bit_compute_dtype == "uint8":
+    if m.bnb_4bit_compute_dtype == "uint8" and m.use_4bit_quantization:
         problems.append("--bnb_4bit_compute_dtype uint8: computation needs a float dtype, e.g. bfloat16.")
     if m.use_4bit_quantization and compat.fsdp_requested():
         storage = m.bnb_4bit_quant_storage_dtype
@@ -47,6 +49,8 @@ def _model_problems(m: ModelArguments, t) -> list[str]:
         if problem:
             problems.append(problem)
     if m.use_peft_lora:
+        if m.lora_alpha <= 0:
+            problems.append(f"--lora_alpha {m.lora_alpha}: must be positive (the guide uses 16, twice lora_r).")
         if m.lora_r <= 0:
             problems.append(f"--lora_r {m.lora_r}: the rank must be a positive integer (the guide uses 8).")
         if not 0.0 <= m.lora_dropout < 1.0:
@@ -56,8 +60,86 @@ def _model_problems(m: ModelArguments, t) -> list[str]:
     return problems
 
 
-def _training_problems(m: ModelArguments, r: RecipeArguments, t) -> list[str]:
+def _fsdp_env_problems(m: ModelArguments) -> list[str]:
+    """The accelerate config as the launcher exported it (FSDP_* variables)."""
+    if not compat.fsdp_requested():
+        return []
+    env = os.environ.get
     problems = []
+    efficient = env("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true"
+    sync = env("FSDP_SYNC_MODULE_STATES", "false").lower() == "true"
+    version = env("FSDP_VERSION", "1")
+    if version == "1" and efficient and not sync:
+        problems.append("fsdp_cpu_ram_efficient_loading: true needs fsdp_sync_module_states: true (only rank 0 loads "
+                        "weights; the others receive them by that sync). Fix: set fsdp_sync_module_states: true.")
+    if compat.fsdp_on_cpu_requested() and version == "1" and sync:
+        problems.append("fsdp_sync_module_states: true does not work for FSDP1 on CPU (torch syncs module states only "
+                        "from GPU tensors). Fix: use configs/cpu/fsdp_config.yaml (sync and efficient loading off) "
+                        "or FSDP2 (configs/cpu/fsdp2_config.yaml).")
+    if not compat.fsdp_on_cpu_requested() and torch_cuda_count() and \
+            int(env("LOCAL_WORLD_SIZE", "1")) > torch_cuda_count():
+        problems.append(f"num_processes per machine is {env('LOCAL_WORLD_SIZE')} but only {torch_cuda_count()} GPUs "
+                        "are visible. Fix: --num_processes (or num_processes: in the accelerate config) at most the "
+                        "number of GPUs, or check CUDA_VISIBLE_DEVICES.")
+    if m.use_4bit_quantization and env("FSDP_USE_ORIG_PARAMS", "false").lower() == "true" and version == "1":
+        logger.warning("fsdp_use_orig_params: true with QLoRA keeps gradient buffers for the frozen 4-bit weights "
+                       "too: much more GPU memory than the guide's false (use configs/fsdp_config_qlora.yaml).")
+    return problems
+
+
+def torch_cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _lora_target_problems(m: ModelArguments, t) -> list[str]:
+    """Named LoRA target modules must exist in the model: checked on the meta device from its config (no weights)."""
+    if not m.use_peft_lora or m.lora_target_modules.strip() in ("", "all-linear"):
+        return []
+    try:
+        names = linear_module_names(m.model_name_or_path, t.trust_remote_code)
+    except Exception as e:  # offline Hub id, custom code not trusted, broken config
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        hint = " Fix: --trust_remote_code True if you trust that repository's code." \
+            if "trust_remote_code" in str(e) else ""
+        return [f"--model_name_or_path {m.model_name_or_path}: its config could not be read ({first_line}).{hint}"]
+    wanted = [x.strip() for x in m.lora_target_modules.split(",") if x.strip()]
+    missing = [x for x in wanted if x not in names]
+    if missing:
+        return [f"--lora_target_modules: {missing} match no linear layer of this model. Candidates: "
+                f"{sorted(names)} (or all-linear)."]
+    return []
+
+
+def linear_module_names(model_name_or_path: str, trust_remote_code: bool) -> set[str]:
+    """Leaf names of the model's linear layers (q_proj, gate_proj, ...), lm_head excluded, built on meta."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    output = model.get_output_embeddings()
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and module is not output}
+
+
+def _training_problems(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t) -> list[str]:
+    problems = []
+    for flag in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        if getattr(t, flag) < 1:
+            problems.append(f"--{flag} {getattr(t, flag)}: must be at least 1.")
+    if t.learning_rate <= 0:
+        problems.append(f"--learning_rate {t.learning_rate}: must be positive (the guide uses 1e-4).")
+    if t.max_steps <= 0 and t.num_train_epochs <= 0:
+        problems.append("nothing to train: --num_train_epochs and --max_steps are both 0. Fix: --num_train_epochs 1.")
+    from .data import requested_splits, split_role
+
+    has_test_split = any(split_role(s) == "test" for s in requested_splits(d))
+    if str(t.eval_strategy).split(".")[-1].lower() != "no" and not has_test_split:
+        problems.append(f"--eval_strategy {str(t.eval_strategy).split('.')[-1].lower()} needs a test split, but "
+                        f"--splits is '{d.splits}'. Fix: --splits train,test or --eval_strategy no.")
     fsdp1_on_cpu = compat.fsdp_on_cpu_requested() and os.environ.get("FSDP_VERSION", "1") == "1"
     if fsdp1_on_cpu and t.bf16 and t.gradient_checkpointing and not m.use_reentrant:
         problems.append("FSDP1 on CPU with --bf16 True and --gradient_checkpointing True --use_reentrant False fails "
@@ -75,6 +157,9 @@ def _training_problems(m: ModelArguments, r: RecipeArguments, t) -> list[str]:
         problems.append(f"--output_dir {t.output_dir} holds a previous run ({', '.join(previous[:4])}). Fix: "
                         "--resume_from_checkpoint latest to continue it, --overwrite_output_dir True to train anew "
                         "there, or another --output_dir.")
+    if getattr(t, "hub_token", None):
+        problems.append("--hub_token: a token on the command line ends up in shell history, logs and the saved "
+                        "training arguments. Fix: drop it and log in once (`hf auth login`) or export HF_TOKEN.")
     if t.push_to_hub and not r.defer_push_to_hub:
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
         if offline or not _hub_token_present():
@@ -96,12 +181,14 @@ def _hub_token_present() -> bool:
 
 def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t) -> None:
     """Raise ConfigError listing every problem in the configuration; cheap, loads no weights."""
-    problems = _model_problems(m, t) + _training_problems(m, r, t)
+    problems = _model_problems(m, t) + _training_problems(m, d, r, t) + _fsdp_env_problems(m)
     problems += locate_splits(d)[1]
     local_model = Path(m.model_name_or_path)
     if m.model_name_or_path.startswith((".", "/")) and not local_model.exists():
         hint = " Build the tiny default with `python -m sft_recipe.tiny --output_dir .tiny`." \
             if ".tiny" in m.model_name_or_path else ""
         problems.append(f"--model_name_or_path {m.model_name_or_path}: no such folder.{hint}")
+    if not any("--model_name_or_path" in p for p in problems):
+        problems += _lora_target_problems(m, t)
     if problems:
         raise ConfigError(problems)

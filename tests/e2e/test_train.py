@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import launch_train
+from tests.conftest import launch_env, launch_train
 
 TRAIN_FLAGS = [
     "--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0",
@@ -27,6 +27,8 @@ QLORA_FLAGS = [
     # fp32 compute: bf16 matmuls are emulated on this CPU (~20x slower); storage stays bf16 as in the guide.
     "--bnb_4bit_compute_dtype", "float32",
 ]
+
+SECRET_TOKEN = "hf_testSECRETtoken0123456789"
 
 # name -> (accelerate config, dataset format folder, chat format, extra flags, expected wrapping)
 SCENARIOS = {
@@ -70,10 +72,12 @@ def _logits_base_vs_adapter(model_dir, adapter_dir):
 def test_train_save_verify_reload(name, tiny, tmp_path):
     config, fmt, chat_format, extra, (distributed_type, fsdp_version) = SCENARIOS[name]
     out = tmp_path / name
+    env = launch_env()
+    env["HF_TOKEN"] = SECRET_TOKEN  # a logged-in user: the token must not leak into anything the run writes
     result = launch_train(config, out, [
         "--model_name_or_path", str(tiny.model_dir), "--dataset_name", _dataset_dir(tiny, fmt),
         "--chat_template_format", chat_format, *TRAIN_FLAGS, *extra,
-    ])
+    ], env=env)
     assert result.returncode == 0, result.output[-6000:]
     facts = result.facts
 
@@ -108,6 +112,11 @@ def test_train_save_verify_reload(name, tiny, tmp_path):
 
         loaded = AutoPeftModelForCausalLM.from_pretrained(str(out))
         assert loaded.get_input_embeddings().weight.shape[0] == len(AutoTokenizer.from_pretrained(str(out)))
+    assert SECRET_TOKEN not in result.output
+    for path in out.rglob("*"):
+        if path.is_file():
+            assert SECRET_TOKEN.encode() not in path.read_bytes(), path
+    assert not list(out.rglob("*.bin")) and not list(out.rglob("*.pt"))  # only safetensors/json (no pickles)
     if fsdp_version == 1:  # the peft 0.21 FSDP1 key bug is worked around, and we can see whether it is still needed
         assert "adapter keys needed the FSDP1 name fix" in result.output
 

@@ -29,44 +29,95 @@ def test_a_good_config_passes(good):
     validate(*parse_args(good))
 
 
-@pytest.mark.parametrize("flags,expected", [
-    (["--use_unsloth", "True"], "--use_unsloth True is not supported"),
-    (["--use_peft_lora", "True", "--use_4bit_quantization", "True", "--use_8bit_quantization", "True"],
-     "both True: pick one"),
-    (["--use_4bit_quantization", "True"], "add --use_peft_lora True"),
-    (["--use_flash_attn", "True"], "--use_flash_attn True"),
-    (["--use_peft_lora", "True", "--lora_r", "0"], "--lora_r 0"),
-    (["--use_peft_lora", "True", "--lora_dropout", "1.5"], "--lora_dropout 1.5"),
-    (["--bnb_4bit_compute_dtype", "float8"], "--bnb_4bit_compute_dtype 'float8' is not a dtype"),
-    (["--push_to_hub", "True"], "--push_to_hub: HF_HUB_OFFLINE is set"),
-    (["--max_seq_len", "0"], "must be a positive number of tokens"),
-    (["--dataset_name", "./no/such/data"], "no such file or folder"),
-    (["--model_name_or_path", "./no/such/model"], "--model_name_or_path ./no/such/model: no such folder"),
-    (["--splits", "train,dev"], "split 'dev' is neither"),
-])
-def test_each_mistake_is_named_with_its_fix(good, flags, expected, monkeypatch):
+FSDP1_CPU = {"ACCELERATE_USE_FSDP": "true", "ACCELERATE_USE_CPU": "true", "FSDP_VERSION": "1"}
+QLORA = ["--use_peft_lora", "True", "--use_4bit_quantization", "True"]
+
+# (flags, environment, what the message must say). Each is a real mistake; each message names setting, value, fix.
+MISTAKES = {
+    "unknown flag": (["--lora_alpah", "3"], {}, "Did you mean `lora_alpha`"),
+    "abbreviated flag": (["--lora_al", "3"], {}, "unknown flag `--lora_al`"),
+    "max_seq_len vs max_length": (["--max_seq_len", "512", "--max_length", "1024"], {}, "different values"),
+    "bad choice": (["--chat_template_format", "llama3"], {}, "could not be parsed"),
+    "bf16 and fp16 together": (["--bf16", "True", "--fp16", "True"], {"ACCELERATE_USE_CPU": "true"}, "fp16"),
+    "bf16 without GPU": (["--bf16", "True"], {}, "--bf16 True: this machine has no GPU"),
+    "unsloth": (["--use_unsloth", "True"], {}, "--use_unsloth True is not supported"),
+    "4-bit and 8-bit": (QLORA + ["--use_8bit_quantization", "True"], {}, "both True: pick one"),
+    "quantized without LoRA": (["--use_4bit_quantization", "True"], {}, "add --use_peft_lora True"),
+    "8-bit with FSDP": (["--use_peft_lora", "True", "--use_8bit_quantization", "True"], FSDP1_CPU,
+                        "does not work with FSDP"),
+    "uint8 storage under FSDP": (QLORA, FSDP1_CPU, "--bnb_4bit_quant_storage_dtype uint8 under FSDP"),
+    "bf16 storage without bf16": (QLORA + ["--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16", "False"],
+                                  FSDP1_CPU, "loads the model in bfloat16, but --bf16 is off"),
+    "not a dtype": (QLORA + ["--bnb_4bit_compute_dtype", "float8"], {}, "'float8' is not a dtype"),
+    "integer compute dtype": (QLORA + ["--bnb_4bit_compute_dtype", "uint8"], {}, "needs a float dtype"),
+    "flash-attn missing": (["--use_flash_attn", "True"], {}, "--use_flash_attn True"),
+    "lora_r zero": (["--use_peft_lora", "True", "--lora_r", "0"], {}, "--lora_r 0"),
+    "lora_alpha negative": (["--use_peft_lora", "True", "--lora_alpha", "-4"], {}, "--lora_alpha -4"),
+    "lora_dropout out of range": (["--use_peft_lora", "True", "--lora_dropout", "1.5"], {}, "--lora_dropout 1.5"),
+    "target modules empty": (["--use_peft_lora", "True", "--lora_target_modules", " "], {}, "is empty"),
+    "target modules not in model": (["--use_peft_lora", "True", "--lora_target_modules", "q_proj,c_attn"], {},
+                                    "['c_attn'] match no linear layer of this model. Candidates: ['down_proj'"),
+    "push offline": (["--push_to_hub", "True"], {}, "--push_to_hub: HF_HUB_OFFLINE is set"),
+    "token on the command line": (["--hub_token", "hf_secret"], {}, "--hub_token: a token on the command line"),
+    "max_seq_len zero": (["--max_seq_len", "0"], {}, "must be a positive number of tokens"),
+    "batch size zero": (["--per_device_train_batch_size", "0"], {}, "--per_device_train_batch_size 0"),
+    "accumulation zero": (["--gradient_accumulation_steps", "0"], {}, "--gradient_accumulation_steps 0"),
+    "learning rate zero": (["--learning_rate", "0"], {}, "--learning_rate 0.0: must be positive"),
+    "nothing to train": (["--num_train_epochs", "0"], {}, "nothing to train"),
+    "eval without test split": (["--eval_strategy", "epoch", "--splits", "train"], {}, "needs a test split"),
+    "dataset missing": (["--dataset_name", "./no/such/data"], {}, "no such file or folder"),
+    "split missing": (["--splits", "train,test_extra"], {}, "no split 'test_extra'"),
+    "split name unknown": (["--splits", "train,dev"], {}, "split 'dev' is neither"),
+    "model missing": (["--model_name_or_path", "./no/such/model"], {}, "./no/such/model: no such folder"),
+    "resume from nothing": (["--resume_from_checkpoint", "latest"], {}, "no complete checkpoint"),
+    "resume path missing": (["--resume_from_checkpoint", "/no/ckpt"], {}, "no such checkpoint folder"),
+    "efficient loading without sync": ([], {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1",
+                                            "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+                                            "FSDP_SYNC_MODULE_STATES": "false"}, "needs fsdp_sync_module_states"),
+    "FSDP1 sync on CPU": ([], {**FSDP1_CPU, "FSDP_SYNC_MODULE_STATES": "true"}, "does not work for FSDP1 on CPU"),
+    "FSDP1 CPU bf16 non-reentrant": (["--bf16", "True", "--gradient_checkpointing", "True", "--use_reentrant",
+                                      "False"], FSDP1_CPU, "Fix: --use_reentrant True"),
+}
+
+
+@pytest.mark.parametrize("name", list(MISTAKES))
+def test_each_mistake_is_named_with_its_fix(good, name, monkeypatch):
+    flags, env, expected = MISTAKES[name]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert expected in _problems(good + flags)
+    for key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_CPU", "FSDP_VERSION"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError) as e:
+        validate(*parse_args(good + flags))
+    assert expected in str(e.value)
 
 
-def test_fsdp_only_mistakes(good, monkeypatch):
-    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
-    text = _problems(good + ["--use_peft_lora", "True", "--use_8bit_quantization", "True"], monkeypatch, fsdp=True)
-    assert "does not work with FSDP" in text
-    text = _problems(good + ["--use_peft_lora", "True", "--use_4bit_quantization", "True"], monkeypatch, fsdp=True)
-    assert "--bnb_4bit_quant_storage_dtype uint8 under FSDP" in text
-    text = _problems(good + ["--use_peft_lora", "True", "--use_4bit_quantization", "True",
-                             "--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16", "False"], monkeypatch, fsdp=True)
-    assert "loads the model in bfloat16, but --bf16 is off" in text
+def test_more_processes_than_gpus(good, monkeypatch):
+    import sft_recipe.validate as v
+
+    monkeypatch.setattr(v, "torch_cuda_count", lambda: 2)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match="num_processes per machine is 8 but only 2 GPUs are visible"):
+        validate(*parse_args(good))
 
 
-def test_fsdp1_cpu_bf16_nonreentrant_checkpointing_is_refused(good, monkeypatch):
-    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
-    monkeypatch.setenv("FSDP_VERSION", "1")
-    flags = ["--bf16", "True", "--gradient_checkpointing", "True", "--use_reentrant", "False"]
-    assert "Fix: --use_reentrant True" in _problems(good + flags, monkeypatch, fsdp=True)
-    monkeypatch.setenv("FSDP_VERSION", "2")  # FSDP2 handles it
-    validate(*parse_args(good + flags))
+def test_at_least_thirty_mistakes_are_covered():
+    assert len(MISTAKES) >= 30
+
+
+def test_fsdp2_on_cpu_handles_bf16_with_non_reentrant_checkpointing(good, monkeypatch):
+    for key, value in {**FSDP1_CPU, "FSDP_VERSION": "2"}.items():
+        monkeypatch.setenv(key, value)
+    validate(*parse_args(good + ["--bf16", "True", "--gradient_checkpointing", "True", "--use_reentrant", "False"]))
+
+
+def test_use_orig_params_with_qlora_warns_about_memory(good, monkeypatch, caplog):
+    for key, value in {**FSDP1_CPU, "FSDP_USE_ORIG_PARAMS": "true"}.items():
+        monkeypatch.setenv(key, value)
+    validate(*parse_args(good + QLORA + ["--bnb_4bit_quant_storage_dtype", "float32"]))
+    assert "fsdp_use_orig_params: true with QLoRA" in caplog.text
 
 
 def test_push_later_is_accepted_offline(good, monkeypatch):
