@@ -106,7 +106,9 @@ class RecipeArguments:
     )
 
 
-ALIASES = {"max_seq_len": "max_length"}  # the guide's flag name -> current TRL's name
+ALIASES = {"max_seq_len": "max_length"}
+# Library defaults this recipe changes. hub_private_repo: the Hub would create a PUBLIC repository by default.
+RECIPE_DEFAULTS = {"hub_private_repo": True}  # the guide's flag name -> current TRL's name
 
 
 def _sft_config_class():
@@ -210,7 +212,7 @@ def parse_args(argv: list[str] | None = None):
             parser.set_defaults(**yaml_values)
     else:
         yaml_values = {}
-    parser.set_defaults(**hardware_defaults(argv, yaml_values, problems))
+    parser.set_defaults(**RECIPE_DEFAULTS, **hardware_defaults(argv, yaml_values, problems))
     if problems:
         raise ConfigError(problems)
 

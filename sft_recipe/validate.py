@@ -167,7 +167,35 @@ def _training_problems(m: ModelArguments, d: DataTrainingArguments, r: RecipeArg
             problems.append(f"--push_to_hub: {why}, so the push would fail after training. Fix: log in "
                             "(`hf auth login` or HF_TOKEN=...), or --push_to_hub False, or --defer_push_to_hub True "
                             "to train now and upload later with the command printed at the end.")
+        else:
+            problems += hub_access_problems(t)
     return problems
+
+
+def hub_access_problems(t) -> list[str]:
+    """With a token and the Hub reachable: can this token write the repository the run will push to?"""
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import GatedRepoError, RepositoryNotFoundError
+
+    api = HfApi()
+    fix = "Fix: a token with write access (`hf auth login`), another --hub_model_id, or --defer_push_to_hub True."
+    try:
+        me = api.whoami()
+    except Exception as e:
+        return [f"--push_to_hub: the Hub did not accept the token or could not be reached ({type(e).__name__}). {fix}"]
+    repo_id = t.hub_model_id or f"{me['name']}/{Path(t.output_dir).name}"
+    role = me.get("auth", {}).get("accessToken", {}).get("role")
+    if role == "read":
+        return [f"--push_to_hub: the token of {me['name']} is read-only, so pushing to {repo_id} would fail. {fix}"]
+    try:
+        api.auth_check(repo_id, write=True)
+    except RepositoryNotFoundError:
+        return []  # created at the first push, in a namespace the token can write
+    except GatedRepoError:
+        return [f"--push_to_hub: no write access to {repo_id}. {fix}"]
+    except Exception as e:  # HfHubHTTPError 403 and the like
+        return [f"--push_to_hub: no write access to {repo_id} ({type(e).__name__}). {fix}"]
+    return []
 
 
 def _hub_token_present() -> bool:

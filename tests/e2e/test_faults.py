@@ -123,3 +123,39 @@ def test_sigkill_of_one_rank_ends_the_run_and_keeps_the_last_checkpoint(tiny, tm
     assert checkpoint is not None and int(checkpoint.name.split("-")[1]) >= 2
     for part in ("pytorch_model_fsdp_0", "optimizer_0"):  # both sharded parts were finished (DCP writes .metadata last)
         assert (checkpoint / part / ".metadata").is_file()
+
+
+def test_kill_during_a_checkpoint_save_leaves_the_previous_one_to_resume_from(tiny, tmp_path):
+    """SIGKILL every process while a checkpoint is being written (a folder exists, its completion marker does not):
+    the half-written checkpoint is skipped and the previous complete one is what `latest` resumes from."""
+    from sft_recipe.checkpoints import COMPLETE_MARKER, resolve_resume
+
+    out = tmp_path / "run"
+    launcher, log = _start(tiny, out, ["--save_strategy", "steps", "--save_steps", "1"])
+    half_written = None
+    try:
+        deadline = time.time() + 180
+        while half_written is None and time.time() < deadline and launcher.poll() is None:
+            for path in sorted(out.glob("checkpoint-*")) if out.exists() else []:
+                step = int(path.name.split("-")[1])
+                if step >= 3 and not (path / COMPLETE_MARKER).exists():
+                    for proc in [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(True)]:
+                        proc.kill()
+                    half_written = path
+                    break
+            time.sleep(0.002)
+        launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert half_written is not None, "never caught a save in progress"
+    assert not (half_written / COMPLETE_MARKER).exists(), "the save finished before the kill landed"
+    resume_from, problems = resolve_resume("latest", str(out))
+    previous = int(half_written.name.split("-")[1]) - 1
+    assert not problems and resume_from == str(out / f"checkpoint-{previous}")
+
+    resumed = launch_train(CONFIG, out, ["--model_name_or_path", str(tiny.model_dir), "--dataset_name",
+                                         str(tiny.jsonl_dir), *FLAGS, "--save_strategy", "no",
+                                         "--resume_from_checkpoint", "latest", "--max_steps", str(previous + 2)])
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert resumed.facts["global_steps"] == previous + 2

@@ -103,6 +103,33 @@ def test_more_processes_than_gpus(good, monkeypatch):
         validate(*parse_args(good))
 
 
+def test_push_checks_the_token_can_write_before_training(good, monkeypatch):
+    from huggingface_hub import HfApi
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_fake")
+    monkeypatch.setattr(HfApi, "whoami", lambda self, *a, **k: {"name": "alice",
+                                                                "auth": {"accessToken": {"role": "read"}}})
+    with pytest.raises(ConfigError, match="the token of alice is read-only, so pushing to alice/out would fail"):
+        validate(*parse_args(good + ["--push_to_hub", "True"]))
+
+    def forbidden(self, repo_id, **kwargs):
+        from huggingface_hub.utils import HfHubHTTPError
+        raise HfHubHTTPError("403")
+    monkeypatch.setattr(HfApi, "whoami", lambda self, *a, **k: {"name": "alice",
+                                                                "auth": {"accessToken": {"role": "write"}}})
+    monkeypatch.setattr(HfApi, "auth_check", forbidden)
+    with pytest.raises(ConfigError, match="no write access to org/model"):
+        validate(*parse_args(good + ["--push_to_hub", "True", "--hub_model_id", "org/model"]))
+    monkeypatch.setattr(HfApi, "auth_check", lambda self, repo_id, **kwargs: None)
+    validate(*parse_args(good + ["--push_to_hub", "True", "--hub_model_id", "org/model"]))
+
+
+def test_repositories_are_private_unless_asked():
+    assert parse_args(["--output_dir", "o"])[3].hub_private_repo is True
+    assert parse_args(["--output_dir", "o", "--hub_private_repo", "False"])[3].hub_private_repo is False
+
+
 def test_at_least_thirty_mistakes_are_covered():
     assert len(MISTAKES) >= 30
 
