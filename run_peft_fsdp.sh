@@ -19,6 +19,7 @@ ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-configs/fsdp_config.yaml}
 LAUNCH=(accelerate launch --config_file "$ACCELERATE_CONFIG")
 if [[ -n "${NUM_PROCESSES:-}" ]]; then LAUNCH+=(--num_processes "$NUM_PROCESSES"); fi
 
+status=0
 "${LAUNCH[@]}" train.py \
 --seed 100 \
 --model_name_or_path "$MODEL" \
@@ -58,4 +59,8 @@ if [[ -n "${NUM_PROCESSES:-}" ]]; then LAUNCH+=(--num_processes "$NUM_PROCESSES"
 --lora_dropout 0.1 \
 --lora_target_modules "all-linear" \
 --use_4bit_quantization False \
-"$@"
+"$@" || status=$?
+# Preempted (SIGTERM/SIGUSR1): a checkpoint was written; exit 75 so a requeue wrapper can resume with
+# --resume_from_checkpoint latest (the launcher itself reports any failed rank as 1).
+if [[ -f "$OUTPUT_DIR/preempted.json" ]]; then exit 75; fi
+exit "$status"

@@ -19,6 +19,7 @@ ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-configs/fsdp_config_qlora.yaml}
 LAUNCH=(accelerate launch --config_file "$ACCELERATE_CONFIG")
 if [[ -n "${NUM_PROCESSES:-}" ]]; then LAUNCH+=(--num_processes "$NUM_PROCESSES"); fi
 
+status=0
 "${LAUNCH[@]}" train.py \
 --seed 100 \
 --model_name_or_path "$MODEL" \
@@ -61,4 +62,8 @@ if [[ -n "${NUM_PROCESSES:-}" ]]; then LAUNCH+=(--num_processes "$NUM_PROCESSES"
 --use_nested_quant True \
 --bnb_4bit_compute_dtype "bfloat16" \
 --bnb_4bit_quant_storage_dtype "bfloat16" \
-"$@"
+"$@" || status=$?
+# Preempted (SIGTERM/SIGUSR1): a checkpoint was written; exit 75 so a requeue wrapper can resume with
+# --resume_from_checkpoint latest (the launcher itself reports any failed rank as 1).
+if [[ -f "$OUTPUT_DIR/preempted.json" ]]; then exit 75; fi
+exit "$status"

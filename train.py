@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 from sft_recipe import compat
 from sft_recipe.args import ConfigError, parse_args
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     from sft_recipe.adapter import save_final_adapter
     from sft_recipe.data import dataset_flag_notes, load_splits, prepare_for_trl
     from sft_recipe.model import load_model, load_tokenizer, lora_config
-    from sft_recipe.preemption import PreemptionCallback
+    from sft_recipe.preemption import PREEMPTED_FILE, PreemptionCallback
     from sft_recipe.report import RunFacts
     from sft_recipe.trainer import RecipeSFTTrainer
 
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
                        trust_remote_code=training_args.trust_remote_code)
     facts.write(training_args.output_dir, model_name_or_path=model_args.model_name_or_path,
                 dataset_name=data_args.dataset_name)
+    if trainer.accelerator.is_main_process:  # this run finished: an earlier preemption note no longer applies
+        Path(training_args.output_dir, PREEMPTED_FILE).unlink(missing_ok=True)
 
     # 7. Publish (every rank calls push_to_hub: it saves collectively, then the main process uploads).
     if training_args.push_to_hub:

@@ -59,7 +59,7 @@ def previous_results(output_dir: str | os.PathLike) -> list[str]:
 def move_previous_run_aside(output_dir: str | os.PathLike) -> Path | None:
     """--overwrite_output_dir: keep the previous run's checkpoints in output_dir/previous-run-<time>/, so a new run's
     checkpoints are not mixed with older, higher-numbered ones (nothing is deleted)."""
-    old = checkpoints(output_dir)
+    old = checkpoints(output_dir) + [p for p in (Path(output_dir) / "preempted.json",) if p.exists()]
     if not old:
         return None
     aside = Path(output_dir) / time.strftime("previous-run-%Y%m%d-%H%M%S")

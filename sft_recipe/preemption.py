@@ -14,6 +14,9 @@ import torch
 from transformers import TrainerCallback
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later" -- what a requeue wrapper can test for
+# Written to output_dir by a preempted run and removed when a later run finishes: the launcher (torchrun) reports
+# any failed rank as exit code 1, so wrappers (run_peft_*.sh) look for this file to exit 75 themselves.
+PREEMPTED_FILE = "preempted.json"
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -35,6 +38,9 @@ class PreemptionCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
+            # Restart interrupted system calls: a signal landing inside a gloo/NCCL socket read must not turn into
+            # an EINTR error in the collective (the handler only sets a flag).
+            signal.siginterrupt(sig, False)
 
     def on_step_end(self, args, state, control, **kwargs):
         accelerator = self.trainer.accelerator
@@ -55,6 +61,13 @@ class PreemptionCallback(TrainerCallback):
     def raise_if_preempted(self, output_dir: str) -> None:
         if self.stopped_at_step is None:
             return
+        if self.trainer.accelerator.is_main_process:
+            import json
+            import os
+
+            with open(os.path.join(output_dir, PREEMPTED_FILE), "w") as f:
+                json.dump({"signal": self.signal_name, "global_step": self.stopped_at_step,
+                           "checkpoint": f"checkpoint-{self.stopped_at_step}"}, f)
         raise Preempted(
             f"stopped by {self.signal_name} after step {self.stopped_at_step}; checkpoint saved to "
             f"{output_dir}/checkpoint-{self.stopped_at_step}. Resume: run the same command with "

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -92,13 +93,14 @@ def test_signal_on_one_rank_checkpoints_and_resumes_exactly(signum, rank, tiny, 
     stopped_at = int(checkpoint.name.split("-")[1])
     assert 2 <= stopped_at < 30
     assert not (out / "adapter_model.safetensors").exists()  # no final adapter from an unfinished run
+    assert json.loads((out / "preempted.json").read_text())["global_step"] == stopped_at
 
     resumed = launch_train(CONFIG, out, ["--model_name_or_path", str(tiny.model_dir), "--dataset_name",
                                          str(tiny.jsonl_dir), *FLAGS, "--save_strategy", "no",
                                          "--resume_from_checkpoint", "latest"])
     assert resumed.returncode == 0, resumed.output[-4000:]
     losses = resumed.facts["losses"]
-    assert len(losses) == 30
+    assert len(losses) == 30 and not (out / "preempted.json").exists()
     for step in range(stopped_at, 30):
         assert abs(losses[step] - uninterrupted[step]) <= RELATIVE_TOLERANCE * abs(uninterrupted[step]), step + 1
 
@@ -159,3 +161,26 @@ def test_kill_during_a_checkpoint_save_leaves_the_previous_one_to_resume_from(ti
                                          "--resume_from_checkpoint", "latest", "--max_steps", str(previous + 2)])
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert resumed.facts["global_steps"] == previous + 2
+
+
+def test_launch_script_exits_75_when_preempted(tiny, tmp_path):
+    """torchrun reports a failed rank as 1; the guide's script turns a preemption back into 75 for requeue wrappers."""
+    out = tmp_path / "script"
+    env = launch_env()
+    env.update(MODEL=str(tiny.model_dir), DATASET=str(tiny.jsonl_dir), OUTPUT_DIR=str(out),
+               ACCELERATE_CONFIG="configs/cpu/fsdp2_config.yaml", NUM_PROCESSES="2")
+    log = open(tmp_path / "script.log", "w+")
+    script = subprocess.Popen(["bash", "run_peft_fsdp.sh", "--use_flash_attn", "False", "--push_to_hub", "False",
+                               "--max_steps", "200", "--max_seq_len", "128", "--per_device_train_batch_size", "2",
+                               "--gradient_accumulation_steps", "1", "--logging_steps", "1"],
+                              cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        pid = _rank_pid(script, 1)
+        _wait_for_training(log, steps=2)
+        os.kill(pid, signal.SIGTERM)
+        script.wait(timeout=180)
+    finally:
+        if script.poll() is None:
+            script.kill()
+    assert script.returncode == 75
+    assert (out / "preempted.json").is_file() and latest_complete_checkpoint(out)[0] is not None

@@ -56,8 +56,9 @@ def test_a_previous_run_is_not_overwritten_without_a_choice(tiny, tmp_path):
 def test_overwrite_moves_old_checkpoints_aside_and_deletes_nothing(tmp_path):
     _checkpoint(tmp_path, 8)
     (tmp_path / "checkpoint-8" / "weights").write_text("keep me")
+    (tmp_path / "preempted.json").write_text("{}")  # a stale note would make the scripts report a preemption
     aside = move_previous_run_aside(tmp_path)
-    assert (aside / "checkpoint-8" / "weights").read_text() == "keep me"
+    assert (aside / "checkpoint-8" / "weights").read_text() == "keep me" and (aside / "preempted.json").exists()
     assert not (tmp_path / "checkpoint-8").exists()
     assert move_previous_run_aside(tmp_path) is None
 
