@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import os
+
 from trl import SFTTrainer
 
 from . import compat
@@ -46,8 +48,6 @@ class RecipeSFTTrainer(SFTTrainer):
 
     def _save_checkpoint(self, model, trial):
         """Mark the checkpoint complete once every rank has written it (resume skips unmarked ones)."""
-        import os
-
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         super()._save_checkpoint(model, trial)
