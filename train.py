@@ -110,7 +110,18 @@ def run() -> int:
         if main_rank:
             print(f"preempted: {e}", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT_CODE
+    finally:
+        close_process_group()
     return 0
+
+
+def close_process_group() -> None:
+    """Tear the process group down before exit: left to interpreter shutdown, gloo's threads can abort the process
+    ("terminate called without an active exception", SIGABRT) after a successful run, turning it into a failure."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
