@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -276,7 +276,3 @@ def _truthy(value: Any) -> bool:
 def explicitly_set(argv: list[str], config_values: dict[str, Any], name: str) -> bool:
     """Whether the user chose `name` (CLI or YAML) rather than leaving the library default."""
     return any(t == f"--{name}" or t.startswith(f"--{name}=") for t in argv) or name in config_values
-
-
-def dataclass_field_names(cls) -> list[str]:
-    return [f.name for f in fields(cls)]
