@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # 2. Tokenizer (it carries the chat template the data needs) and data.
     tokenizer = load_tokenizer(model_args, training_args.trust_remote_code)
-    datasets = prepare_for_trl(load_splits(data_args), data_args, training_args.dataset_text_field, tokenizer)
+    datasets = prepare_for_trl(load_splits(data_args), data_args, training_args.dataset_text_field, tokenizer,
+                               assistant_only_loss=training_args.assistant_only_loss)
     for note in dataset_flag_notes(data_args, "messages" in datasets["train"].column_names):
         logger.warning(note)
 

@@ -131,10 +131,26 @@ def column_problems(dataset, split: str, text_field: str, chat_template: str | N
     return []
 
 
-def prepare_for_trl(datasets, data_args: DataTrainingArguments, text_field: str, tokenizer):
+def assistant_only_loss_problems(datasets, chat_template: str | None) -> list[str]:
+    """TRL masks prompts from the loss using {% generation %} markers in the chat template of `messages` data."""
+    problems = []
+    if any(MESSAGES not in ds.column_names for ds in datasets.values()):
+        problems.append("--assistant_only_loss True needs `messages` rows (it masks everything but the assistant "
+                        "turns); this data is plain text. Fix: use chat data, or drop the flag.")
+    elif "generation" not in (chat_template or ""):
+        problems.append("--assistant_only_loss True: the tokenizer's chat template has no {% generation %} markers, "
+                        "so TRL cannot tell assistant tokens apart. Fix: --chat_template_format chatml (or zephyr), "
+                        "whose templates have them.")
+    return problems
+
+
+def prepare_for_trl(datasets, data_args: DataTrainingArguments, text_field: str, tokenizer,
+                    assistant_only_loss: bool = False):
     """Keep only what TRL needs: the `messages` column, or the text column (BOS prepended if asked)."""
     problems = [p for role, ds in datasets.items()
                 for p in column_problems(ds, role, text_field, tokenizer.chat_template)]
+    if assistant_only_loss and not problems:
+        problems += assistant_only_loss_problems(datasets, tokenizer.chat_template)
     if problems:
         raise ConfigError(problems)
     out = {}

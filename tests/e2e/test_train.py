@@ -34,7 +34,7 @@ SECRET_TOKEN = "hf_testSECRETtoken0123456789"
 SCENARIOS = {
     "lora-single": ("cpu/single.yaml", "jsonl", "chatml", [], ("NO", None)),
     "lora-fsdp1": ("cpu/fsdp_config.yaml", "disk", "chatml", [], ("FSDP", 1)),
-    "lora-fsdp2": ("cpu/fsdp2_config.yaml", "parquet", "zephyr", [], ("FSDP", 2)),
+    "lora-fsdp2": ("cpu/fsdp2_config.yaml", "parquet", "zephyr", ["--assistant_only_loss", "True"], ("FSDP", 2)),
     "qlora-single": ("cpu/single.yaml", "jsonl", "none", QLORA_FLAGS, ("NO", None)),
     "qlora-fsdp1": ("cpu/fsdp_config.yaml", "text", "none", QLORA_FLAGS + ["--dataset_text_field", "content"],
                     ("FSDP", 1)),
