@@ -53,12 +53,11 @@ def expected_adapter_tensors(adapter_dir: str, trust_remote_code: bool = False) 
     """
     from peft import PeftConfig, get_peft_model, get_peft_model_state_dict
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .model import meta_model
 
     peft_config = PeftConfig.from_pretrained(adapter_dir)
-    base_config = AutoConfig.from_pretrained(peft_config.base_model_name_or_path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        base = AutoModelForCausalLM.from_config(base_config, trust_remote_code=trust_remote_code)
+    base = meta_model(peft_config.base_model_name_or_path, trust_remote_code)
     # Embedding rows the run added are saved with the adapter: size the meta model like the saved tensors.
     with safe_open(os.path.join(adapter_dir, ADAPTER_WEIGHTS), framework="pt") as f:
         saved_rows = [f.get_slice(k).get_shape()[0] for k in f.keys() if k.endswith("embed_tokens.weight")]

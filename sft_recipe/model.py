@@ -134,6 +134,16 @@ def load_model(model_args: ModelArguments, training_args, tokenizer):
     return model
 
 
+def meta_model(model_name_or_path: str, trust_remote_code: bool = False):
+    """The model's architecture on the meta device: built from its config alone, no weights read or allocated, so it
+    costs the same for a 70B as for the tiny model. Used to check configurations and saved adapters."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
 def fit_embeddings_to_tokenizer(model, tokenizer) -> bool:
     """Grow the embeddings to exactly len(tokenizer) when tokens were added; never shrink, never pad.
 

@@ -115,11 +115,10 @@ def _lora_target_problems(m: ModelArguments, t) -> list[str]:
 def linear_module_names(model_name_or_path: str, trust_remote_code: bool) -> set[str]:
     """Leaf names of the model's linear layers (q_proj, gate_proj, ...), lm_head excluded, built on meta."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    from .model import meta_model
+
+    model = meta_model(model_name_or_path, trust_remote_code)
     output = model.get_output_embeddings()
     return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
             if isinstance(module, torch.nn.Linear) and module is not output}
