@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from sft_recipe import compat
@@ -23,6 +24,9 @@ def main(argv: list[str] | None = None) -> None:
     # 1. Arguments: parse, make FSDP real on CPU if asked, check everything before any weight is loaded.
     model_args, data_args, recipe_args, training_args = parse_args(argv)
     compat.enable_fsdp_on_cpu()
+    from sft_recipe.metrics import quiet_other_ranks
+
+    quiet_other_ranks()  # one set of progress bars, not one per rank
     from sft_recipe.validate import validate
 
     validate(model_args, data_args, recipe_args, training_args)
@@ -41,7 +45,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from sft_recipe.adapter import save_final_adapter
     from sft_recipe.data import dataset_flag_notes, load_splits, prepare_for_trl
-    from sft_recipe.model import load_model, load_tokenizer, lora_config
+    from sft_recipe.metrics import attach_throughput
+    from sft_recipe.model import added_token_ids, load_model, load_tokenizer, lora_config, untrained_token_note
     from sft_recipe.preemption import PREEMPTED_FILE, PreemptionCallback
     from sft_recipe.report import RunFacts
     from sft_recipe.trainer import RecipeSFTTrainer
@@ -57,6 +62,9 @@ def main(argv: list[str] | None = None) -> None:
 
     # 3. Model, sized to the tokenizer; SFTTrainer wraps it with the LoRA config and FSDP.
     model = load_model(model_args, training_args, tokenizer)
+    new_token_ids = added_token_ids(model_args, tokenizer, training_args.trust_remote_code)
+    if note := untrained_token_note(model_args, new_token_ids):
+        logger.warning(note)
 
     # 4. Trainer: TRL's, with every adapter save (checkpoints too) gathered, fixed and verified.
     trainer = RecipeSFTTrainer(
@@ -65,9 +73,10 @@ def main(argv: list[str] | None = None) -> None:
         train_dataset=datasets["train"],
         eval_dataset=datasets.get("test"),
         processing_class=tokenizer,
-        peft_config=lora_config(model_args),
+        peft_config=lora_config(model_args, new_token_ids),
         verify_adapter=recipe_args.verify_adapter,
     )
+    throughput = attach_throughput(trainer, recipe_args.peak_tflops_per_device)  # tokens/s, MFU, peak memory
     facts, preemption = RunFacts(trainer), PreemptionCallback(trainer)
     trainer.add_callback(facts)
     trainer.add_callback(preemption)
@@ -81,8 +90,14 @@ def main(argv: list[str] | None = None) -> None:
     # 6. Save the FULL_STATE_DICT adapter (all ranks take part) and verify it before it replaces anything.
     save_final_adapter(trainer, training_args.output_dir, verify=recipe_args.verify_adapter,
                        trust_remote_code=training_args.trust_remote_code)
+    # quantization: merge_adapter.py reads it to merge a QLoRA adapter into the bf16 base, never the 4-bit one.
     facts.write(training_args.output_dir, model_name_or_path=model_args.model_name_or_path,
-                dataset_name=data_args.dataset_name)
+                dataset_name=data_args.dataset_name,
+                quantization="4bit" if model_args.use_4bit_quantization else
+                "8bit" if model_args.use_8bit_quantization else None)
+    throughput.write_summary(training_args.output_dir, trainer.state, config={
+        "model": asdict(model_args), "data": asdict(data_args), "recipe": asdict(recipe_args),
+        "training": training_args.to_dict()})  # run_summary.json + loss_curve.png
     if trainer.accelerator.is_main_process:  # this run finished: an earlier preemption note no longer applies
         Path(training_args.output_dir, PREEMPTED_FILE).unlink(missing_ok=True)
 

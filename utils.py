@@ -6,7 +6,7 @@ They are thin: the work lives in the `sft_recipe` package, which `train.py` uses
 from __future__ import annotations
 
 from sft_recipe.data import load_splits, prepare_for_trl
-from sft_recipe.model import load_model, load_tokenizer, lora_config
+from sft_recipe.model import added_token_ids, load_model, load_tokenizer, lora_config
 
 
 def create_and_prepare_model(args, data_args, training_args):
@@ -17,7 +17,7 @@ def create_and_prepare_model(args, data_args, training_args):
     del data_args
     tokenizer = load_tokenizer(args, training_args.trust_remote_code)
     model = load_model(args, training_args, tokenizer)
-    return model, lora_config(args), tokenizer
+    return model, lora_config(args, added_token_ids(args, tokenizer, training_args.trust_remote_code)), tokenizer
 
 
 def create_datasets(tokenizer, data_args, training_args, apply_chat_template=False):

@@ -60,7 +60,10 @@ def expected_adapter_tensors(adapter_dir: str, trust_remote_code: bool = False) 
     base = meta_model(peft_config.base_model_name_or_path, trust_remote_code)
     # Embedding rows the run added are saved with the adapter: size the meta model like the saved tensors.
     with safe_open(os.path.join(adapter_dir, ADAPTER_WEIGHTS), framework="pt") as f:
-        saved_rows = [f.get_slice(k).get_shape()[0] for k in f.keys() if k.endswith("embed_tokens.weight")]
+        # Full embedding rows: `embed_tokens.weight`, or `embed_tokens.token_adapter.base_layer.weight` with trainable
+        # tokens (never a LoRA matrix or a trainable-tokens delta).
+        saved_rows = [f.get_slice(k).get_shape()[0] for k in f.keys()
+                      if "embed_tokens" in k and k.endswith(".weight") and ".lora_" not in k and "_delta" not in k]
     if saved_rows and saved_rows[0] != base.get_input_embeddings().weight.shape[0]:
         base.resize_token_embeddings(saved_rows[0], mean_resizing=False)
     peft_config.inference_mode = False

@@ -45,6 +45,23 @@ class ModelArguments:
         default="q_proj,k_proj,v_proj,o_proj,down_proj,up_proj,gate_proj",
         metadata={"help": "Comma-separated module names to adapt, or 'all-linear'."},
     )
+    use_dora: bool = field(
+        default=False,
+        metadata={"help": "DoRA: weight-decomposed LoRA (a learned magnitude per output feature on top of LoRA); "
+                          "with 4-bit quantization this is QDoRA. Slower per step than LoRA."},
+    )
+    lora_modules_to_save: str = field(
+        default="",
+        metadata={"help": "Comma-separated modules trained in full and saved with the adapter, e.g. "
+                          "`embed_tokens,lm_head`. Costs a full copy of each (and its Adam state) per rank."},
+    )
+    train_new_tokens: bool = field(
+        default=False,
+        metadata={"help": "When chatml/zephyr add tokens to the vocabulary, train their embedding and output rows "
+                          "(PEFT trainable tokens: only those rows, saved with the adapter). One process only: under "
+                          "FSDP use --lora_modules_to_save embed_tokens,lm_head with FSDP2. Without either, the new "
+                          "rows keep their random initialisation, as upstream."},
+    )
     use_nested_quant: bool = field(default=False, metadata={"help": "Double quantization of the 4-bit constants."})
     bnb_4bit_compute_dtype: str = field(default="float16", metadata={"help": "Compute dtype of 4-bit layers."})
     bnb_4bit_quant_storage_dtype: str = field(
@@ -99,6 +116,11 @@ class RecipeArguments:
         metadata={"help": "Train into an output_dir that holds a previous run's adapter or checkpoints (its checkpoints "
                           "are moved to output_dir/previous-run-<time>/). Without it such a run is refused; "
                           "--resume_from_checkpoint latest continues the previous run instead."},
+    )
+    peak_tflops_per_device: float | None = field(
+        default=None,
+        metadata={"help": "Peak dense bf16 TFLOPS of one device, for the MFU in the logs. Default: looked up from the "
+                          "GPU name (H100/H200 989, A100 312, ...); none on CPU, where MFU is not logged."},
     )
     defer_push_to_hub: bool = field(
         default=False,

@@ -79,7 +79,7 @@ def resolve_resume(resume_from_checkpoint: str | None, output_dir: str) -> tuple
             where = f" ({len(skipped)} incomplete ones skipped)" if skipped else ""
             return None, [f"--resume_from_checkpoint {resume_from_checkpoint}: no complete checkpoint in "
                           f"{output_dir}{where}. Fix: drop the flag to start fresh, or name a checkpoint folder."]
-        return str(path), []
+        return str(path), _unsafe(path)
     path = Path(resume_from_checkpoint)
     if not path.is_dir():
         return None, [f"--resume_from_checkpoint {resume_from_checkpoint}: no such checkpoint folder."]
@@ -87,4 +87,15 @@ def resolve_resume(resume_from_checkpoint: str | None, output_dir: str) -> tuple
         return None, [f"--resume_from_checkpoint {resume_from_checkpoint}: incomplete checkpoint (no "
                       f"{COMPLETE_MARKER}; the run was probably stopped while saving it). Fix: resume from an "
                       "earlier checkpoint, or `--resume_from_checkpoint latest` to pick the newest complete one."]
-    return str(path), []
+    return str(path), _unsafe(path)
+
+
+def _unsafe(checkpoint: Path) -> list[str]:
+    from .state_io import unsafe_dcp_metadata
+
+    problems = unsafe_dcp_metadata(checkpoint)
+    if not problems:
+        return []
+    return [f"--resume_from_checkpoint {checkpoint}: its sharded-checkpoint index holds more than checkpoint "
+            f"metadata and torch would unpickle it (code could run): {'; '.join(problems)}. Fix: resume only from "
+            "checkpoints written by this recipe, or start fresh."]

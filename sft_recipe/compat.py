@@ -208,3 +208,17 @@ def exit_skipping_teardown(code: int) -> None:
         sys.exit(code)
     logging.shutdown()
     os._exit(code)
+
+def trainable_tokens_lm_head_bias() -> None:
+    """Let TRL's fused LM head run over PEFT trainable tokens on `lm_head` (--train_new_tokens).
+
+    Bug (trl 1.16 with peft 0.21): the fused head reads `lm_head.weight` and `lm_head.bias` directly instead of calling
+    the module. PEFT's `TrainableTokensWrapper` answers `weight` with the merged (trainable) rows but has no `bias`,
+    so the first training step raises AttributeError. Fix here: `bias` is the wrapped layer's own bias (None for
+    Llama-style heads).
+    When it can go: `tests/e2e/test_adapter_variants.py::test_new_token_rows_train_in_one_process` passes without it.
+    """
+    from peft.utils.other import TrainableTokensWrapper
+
+    if "bias" not in vars(TrainableTokensWrapper):
+        TrainableTokensWrapper.bias = property(lambda self: getattr(self.original_module, "bias", None))

@@ -168,17 +168,55 @@ def lora_target_modules(model_args: ModelArguments) -> str | list[str]:
     return [m.strip() for m in value.split(",") if m.strip()]
 
 
-def lora_config(model_args: ModelArguments):
-    """The LoRA config SFTTrainer wraps the model with, or None for full fine-tuning."""
+def added_token_ids(model_args: ModelArguments, tokenizer, trust_remote_code: bool = False) -> list[int]:
+    """Ids the tokenizer has beyond the base model's vocabulary (chatml/zephyr tokens, <pad>): rows that start
+    random and that only training can make useful. Read from the model config; no weights are loaded."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=trust_remote_code)
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None) or len(tokenizer)
+    return list(range(vocab_size, len(tokenizer)))
+
+
+def untrained_token_note(model_args: ModelArguments, new_token_ids: list[int]) -> str | None:
+    """A warning when the chat format added tokens whose rows nothing will train."""
+    trained = model_args.train_new_tokens or {"embed_tokens", "lm_head"} & set(
+        _comma_list(model_args.lora_modules_to_save))
+    if not new_token_ids or not model_args.use_peft_lora or trained:
+        return None
+    return (f"{len(new_token_ids)} tokens added for --chat_template_format {model_args.chat_template_format} keep "
+            "random embedding and output rows (LoRA does not train them). To learn them: --train_new_tokens True "
+            "(one process) or --lora_modules_to_save embed_tokens,lm_head (one process or FSDP2).")
+
+
+def _comma_list(value: str) -> list[str]:
+    return [m.strip() for m in value.split(",") if m.strip()]
+
+
+def lora_config(model_args: ModelArguments, new_token_ids: list[int] | None = None):
+    """The LoRA config SFTTrainer wraps the model with, or None for full fine-tuning.
+
+    `new_token_ids` (with --train_new_tokens): PEFT trainable tokens on the input embedding and the output layer, so
+    the rows of tokens the chat format added are learned; only those rows train and are saved. Modules already
+    trained in full (`--lora_modules_to_save`) are left to that.
+    """
     if not model_args.use_peft_lora:
         return None
     from peft import LoraConfig
 
+    modules_to_save = _comma_list(model_args.lora_modules_to_save) or None
+    trainable_tokens = None
+    if model_args.train_new_tokens and new_token_ids:
+        layers = [name for name in ("embed_tokens", "lm_head") if name not in (modules_to_save or [])]
+        trainable_tokens = {name: list(new_token_ids) for name in layers} or None
     return LoraConfig(
         r=model_args.lora_r,
         lora_alpha=model_args.lora_alpha,
         lora_dropout=model_args.lora_dropout,
         target_modules=lora_target_modules(model_args),
+        use_dora=model_args.use_dora,
+        modules_to_save=modules_to_save,
+        trainable_token_indices=trainable_tokens,
         bias="none",
         task_type="CAUSAL_LM",
     )

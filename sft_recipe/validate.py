@@ -60,6 +60,50 @@ def _model_problems(m: ModelArguments, t) -> list[str]:
     return problems
 
 
+BNB_8BIT_OPTIMIZERS = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "lion_8bit",
+                       "paged_lion_8bit", "paged_lion_32bit", "rmsprop_bnb_8bit", "rmsprop_8bit", "ademamix_8bit",
+                       "paged_ademamix_8bit", "paged_ademamix_32bit")
+
+
+def _adapter_variant_problems(m: ModelArguments, t) -> list[str]:
+    """DoRA, modules_to_save, trainable new tokens, 8-bit optimizers: where each works on this stack."""
+    problems = []
+    fsdp_version = os.environ.get("FSDP_VERSION", "1") if compat.fsdp_requested() else None
+    extras = [f for f in ("use_dora", "train_new_tokens") if getattr(m, f)]
+    extras += ["lora_modules_to_save"] if m.lora_modules_to_save.strip() else []
+    if extras and not m.use_peft_lora:
+        problems.append(f"--{extras[0]} configures the LoRA adapter, but --use_peft_lora is False. Fix: "
+                        "--use_peft_lora True.")
+    if m.use_dora and m.use_8bit_quantization:
+        problems.append("--use_dora True with --use_8bit_quantization True: DoRA recomputes the norm of every "
+                        "adapted weight each step, which means dequantizing the int8 weights every forward, and its "
+                        "merge back into int8 is lossy. Fix: --use_4bit_quantization True (QDoRA) or no quantization.")
+    if m.use_dora and m.use_4bit_quantization and fsdp_version:
+        problems.append(f"--use_dora True with --use_4bit_quantization True (QDoRA) under FSDP{fsdp_version}: PEFT "
+                        "keeps DoRA's magnitude vectors in float32 beside the bf16-packed 4-bit weights, and FSDP "
+                        "fails at the first step (FSDP2: \"expects uniform original parameter dtype\"; FSDP1: a "
+                        "bf16/float32 matmul), also with float32 storage. Fix: DoRA without quantization under FSDP, "
+                        "or QDoRA in one process.")
+    if m.train_new_tokens and fsdp_version:
+        problems.append(f"--train_new_tokens True under FSDP{fsdp_version}: PEFT's trainable tokens do not run "
+                        "sharded on this stack (FSDP1: a flat parameter mixing frozen and trainable tensors; FSDP2: "
+                        "index_copy mixes a Tensor with DTensor shards). Fix: with FSDP2, --lora_modules_to_save "
+                        "embed_tokens,lm_head (trains those modules in full); or train in one process.")
+    if m.lora_modules_to_save.strip() and fsdp_version == "1":
+        problems.append("--lora_modules_to_save under FSDP1: TRL's fused LM head reads lm_head's weight outside "
+                        "the FSDP1 unit that owns it, and saving an embed_tokens copy hangs the final gather. Fix: "
+                        "FSDP2 (configs/fsdp2_config.yaml; CPU: configs/cpu/fsdp2_config.yaml), or one process.")
+    optim = getattr(t.optim, "value", t.optim)  # an OptimizerNames enum once parsed
+    if optim in BNB_8BIT_OPTIMIZERS and fsdp_version:
+        problems.append(f"--optim {optim} under FSDP{fsdp_version}: bitsandbytes' optimizer state does not shard "
+                        "(FSDP2: its update kernel has no DTensor rule and fails at the first step; FSDP1: "
+                        "checkpoints save but resuming fails while flattening its nested quantisation state -- "
+                        "upstream's guide reports a crash at the first checkpoint). Fix: --optim adamw_torch (the LoRA "
+                        "optimizer state is small and FSDP shards it), or train in one process with the 8-bit "
+                        "optimizer.")
+    return problems
+
+
 def _fsdp_env_problems(m: ModelArguments) -> list[str]:
     """The accelerate config as the launcher exported it (FSDP_* variables)."""
     if not compat.fsdp_requested():
@@ -76,6 +120,12 @@ def _fsdp_env_problems(m: ModelArguments) -> list[str]:
         problems.append("fsdp_sync_module_states: true does not work for FSDP1 on CPU (torch syncs module states only "
                         "from GPU tensors). Fix: use configs/cpu/fsdp_config.yaml (sync and efficient loading off) "
                         "or FSDP2 (configs/cpu/fsdp2_config.yaml).")
+    if compat.fsdp_on_cpu_requested() and env("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
+        problems.append("fsdp_offload_params: true on a CPU run: offloading moves shards from GPU memory to host RAM; "
+                        "here they already live in host RAM, and torch's offload needs an accelerator for its pinned "
+                        "buffers (\"Cannot access accelerator device\" at the first step). Fix: "
+                        "fsdp_offload_params: false (configs/cpu/*.yaml); offload is for GPU runs "
+                        "(configs/fsdp_config_qlora.yaml).")
     if not compat.fsdp_on_cpu_requested() and torch_cuda_count() and \
             int(env("LOCAL_WORLD_SIZE", "1")) > torch_cuda_count():
         problems.append(f"num_processes per machine is {env('LOCAL_WORLD_SIZE')} but only {torch_cuda_count()} GPUs "
@@ -95,21 +145,35 @@ def torch_cuda_count() -> int:
 
 def _lora_target_problems(m: ModelArguments, t) -> list[str]:
     """Named LoRA target modules must exist in the model: checked on the meta device from its config (no weights)."""
-    if not m.use_peft_lora or m.lora_target_modules.strip() in ("", "all-linear"):
+    to_save = [x.strip() for x in m.lora_modules_to_save.split(",") if x.strip()]
+    if not m.use_peft_lora or (m.lora_target_modules.strip() in ("", "all-linear") and not to_save):
         return []
     try:
         names = linear_module_names(m.model_name_or_path, t.trust_remote_code)
+        all_names = module_names(m.model_name_or_path, t.trust_remote_code)
     except Exception as e:  # offline Hub id, custom code not trusted, broken config
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         hint = " Fix: --trust_remote_code True if you trust that repository's code." \
             if "trust_remote_code" in str(e) else ""
         return [f"--model_name_or_path {m.model_name_or_path}: its config could not be read ({first_line}).{hint}"]
-    wanted = [x.strip() for x in m.lora_target_modules.split(",") if x.strip()]
+    problems = []
+    wanted = [x.strip() for x in m.lora_target_modules.split(",") if x.strip() and x.strip() != "all-linear"]
     missing = [x for x in wanted if x not in names]
     if missing:
-        return [f"--lora_target_modules: {missing} match no linear layer of this model. Candidates: "
-                f"{sorted(names)} (or all-linear)."]
-    return []
+        problems.append(f"--lora_target_modules: {missing} match no linear layer of this model. Candidates: "
+                        f"{sorted(names)} (or all-linear).")
+    missing = [x for x in to_save if x not in all_names]
+    if missing:
+        problems.append(f"--lora_modules_to_save: {missing} match no module of this model. Usual choices: "
+                        f"{sorted(all_names & {'embed_tokens', 'lm_head', 'norm'})}.")
+    return problems
+
+
+def module_names(model_name_or_path: str, trust_remote_code: bool) -> set[str]:
+    from .model import meta_model
+
+    return {name.rsplit(".", 1)[-1] for name, _ in meta_model(model_name_or_path, trust_remote_code).named_modules()
+            if name}
 
 
 def linear_module_names(model_name_or_path: str, trust_remote_code: bool) -> set[str]:
@@ -208,7 +272,8 @@ def _hub_token_present() -> bool:
 
 def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t) -> None:
     """Raise ConfigError listing every problem in the configuration; cheap, loads no weights."""
-    problems = _model_problems(m, t) + _training_problems(m, d, r, t) + _fsdp_env_problems(m)
+    problems = _model_problems(m, t) + _adapter_variant_problems(m, t) + _training_problems(m, d, r, t)
+    problems += _fsdp_env_problems(m)
     problems += locate_splits(d)[1]
     local_model = Path(m.model_name_or_path)
     if m.model_name_or_path.startswith((".", "/")) and not local_model.exists():

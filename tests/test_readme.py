@@ -67,7 +67,7 @@ def test_help_lists_the_flags():
 
 
 def test_files_section_matches_the_repository():
-    section = README.split("## 7. Files", 1)[1]
+    section = README.split("## 9. Files", 1)[1]
     named = set()
     for line in section.splitlines():
         if line.startswith("- "):

@@ -8,11 +8,14 @@ completeness check, and it loads with `PeftModel.from_pretrained` and changes th
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from tests.conftest import launch_env, launch_train
+from tests.e2e.test_parity import RELATIVE_TOLERANCE
 
 TRAIN_FLAGS = [
     "--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0",
@@ -40,6 +43,12 @@ SCENARIOS = {
                     ("FSDP", 1)),
     # FSDP2 keeps cpu_ram_efficient_loading on: QLoRA + chatml resize with non-main ranks loading on meta.
     "qlora-fsdp2": ("cpu/fsdp2_config.yaml", "jsonl", "chatml", QLORA_FLAGS, ("FSDP", 2)),
+    # DoRA (guide note 5) on all three engines; QDoRA = DoRA over the 4-bit base.
+    "dora-single": ("cpu/single.yaml", "jsonl", "none", ["--use_dora", "True"], ("NO", None)),
+    "dora-fsdp1": ("cpu/fsdp_config.yaml", "jsonl", "chatml", ["--use_dora", "True"], ("FSDP", 1)),
+    "dora-fsdp2": ("cpu/fsdp2_config.yaml", "jsonl", "none", ["--use_dora", "True"], ("FSDP", 2)),
+    # QDoRA runs in one process; under FSDP it is refused (tests/unit/test_validate.py says why).
+    "qdora-single": ("cpu/single.yaml", "jsonl", "none", QLORA_FLAGS + ["--use_dora", "True"], ("NO", None)),
 }
 
 
@@ -99,11 +108,25 @@ def test_train_save_verify_reload(name, tiny, tmp_path):
     assert facts["frozen_changed"] is False and facts["trainable_changed"] is True
     assert "frozen weights unchanged, trainable weights moved" in result.output  # the run summary line
 
+    # Live throughput and memory in every training log, the end-of-run summary and plot, one progress bar.
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["global_steps"] == 8 and len(summary["losses"]) == 8 and summary["tokens_per_second"] > 0
+    assert len(summary["peak_memory_gib_per_rank"]) == facts["num_processes"]
+    assert all(0.2 < gib < 8 for gib in summary["peak_memory_gib_per_rank"])  # RSS of a tiny-model CPU run
+    assert summary["config"]["model"]["lora_r"] == 8 and summary["flops_per_token"] > 0
+    assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result.output.count("'tokens_per_second': ") == 8
+    assert result.output.count("0/8 [") == 1, "one training progress bar, not one per rank"
+
     # The adapter is complete (checked in the run) and loads the way users load it.
     assert "adapter check OK" in result.output
     assert not (out / "adapter-FAILED-CHECK").exists()
     saved = json.loads((out / "adapter_config.json").read_text())
     assert saved["r"] == 8 and saved["peft_type"] == "LORA"
+    assert saved["use_dora"] == ("--use_dora" in extra)
+    if saved["use_dora"]:  # the learned magnitudes are part of the checked, reloaded adapter
+        with safe_open(str(out / "adapter_model.safetensors"), framework="pt") as f:
+            assert any("lora_magnitude_vector" in key for key in f.keys())
     base_logits, adapted = _logits_base_vs_adapter(tiny.model_dir, out)
     assert not torch.allclose(base_logits, adapted, atol=1e-4)
     if chat_format != "none":  # tokens were added: the standard loader must still work, with no extra code
@@ -135,4 +158,20 @@ def test_checkpoint_adapters_are_verified_too(tiny, tmp_path):
         checkpoint = out / f"checkpoint-{step}"
         assert f"adapter check OK: {checkpoint}:" in result.output
         assert check_adapter(str(checkpoint)).ok
-        assert (checkpoint / "optimizer.pt").is_file() or (checkpoint / "optimizer.bin").is_file()
+        # Resume state without pickles: safetensors + JSON only.
+        assert {"optimizer.safetensors", "scheduler.json", "rng_state.safetensors"} <= {p.name for p in
+                                                                                         checkpoint.iterdir()}
+        assert not [p for p in checkpoint.iterdir() if p.suffix in (".pt", ".pth", ".bin", ".pkl")]
+
+    # One-process resume from those files continues exactly (FSDP resumes: tests/e2e/test_resume.py).
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(out / "checkpoint-4", resumed_dir / "checkpoint-4")
+    resumed = launch_train("cpu/single.yaml", resumed_dir, [
+        "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
+        *TRAIN_FLAGS, "--save_strategy", "steps", "--save_steps", "4", "--resume_from_checkpoint", "latest",
+    ])
+    assert resumed.returncode == 0, resumed.output[-6000:]
+    a, b = result.facts["losses"], resumed.facts["losses"]
+    for step in range(4, 8):
+        assert abs(a[step] - b[step]) <= RELATIVE_TOLERANCE * abs(a[step]), (step + 1, a, b)

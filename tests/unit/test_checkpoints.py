@@ -82,6 +82,8 @@ def test_a_resume_that_loads_nothing_stops_the_run(tiny, tmp_path, monkeypatch):
     with pytest.raises(ResumeError, match="loaded no trainable weights"):
         trainer._load_from_checkpoint(str(tmp_path))
     trainer.create_optimizer_and_scheduler(num_training_steps=4)
-    monkeypatch.setattr(SFTTrainer, "_load_optimizer_and_scheduler", lambda self, checkpoint: None)
+    with pytest.raises(ResumeError, match="has no optimizer.safetensors"):  # not one of ours: no pickle fallback
+        trainer._load_optimizer_and_scheduler(str(tmp_path))
+    trainer._save_optimizer_and_scheduler(str(tmp_path))  # a fresh optimizer: files present, no Adam moments in them
     with pytest.raises(ResumeError, match="restored no optimizer state"):
         trainer._load_optimizer_and_scheduler(str(tmp_path))

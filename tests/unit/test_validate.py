@@ -30,6 +30,7 @@ def test_a_good_config_passes(good):
 
 
 FSDP1_CPU = {"ACCELERATE_USE_FSDP": "true", "ACCELERATE_USE_CPU": "true", "FSDP_VERSION": "1"}
+FSDP2_CPU = {**FSDP1_CPU, "FSDP_VERSION": "2"}
 QLORA = ["--use_peft_lora", "True", "--use_4bit_quantization", "True"]
 
 # (flags, environment, what the message must say). Each is a real mistake; each message names setting, value, fix.
@@ -57,6 +58,23 @@ MISTAKES = {
     "target modules empty": (["--use_peft_lora", "True", "--lora_target_modules", " "], {}, "is empty"),
     "target modules not in model": (["--use_peft_lora", "True", "--lora_target_modules", "q_proj,c_attn"], {},
                                     "['c_attn'] match no linear layer of this model. Candidates: ['down_proj'"),
+    "DoRA with 8-bit": (["--use_peft_lora", "True", "--use_8bit_quantization", "True", "--use_dora", "True"], {},
+                        "--use_dora True with --use_8bit_quantization True"),
+    "QDoRA under FSDP2": (QLORA + ["--use_dora", "True", "--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16",
+                                   "True"], FSDP2_CPU, "(QDoRA) under FSDP2"),
+    "DoRA without LoRA": (["--use_dora", "True"], {}, "--use_dora configures the LoRA adapter"),
+    "trainable tokens under FSDP2": (["--use_peft_lora", "True", "--train_new_tokens", "True"], FSDP2_CPU,
+                                     "--train_new_tokens True under FSDP2"),
+    "modules_to_save under FSDP1": (["--use_peft_lora", "True", "--lora_modules_to_save", "embed_tokens"], FSDP1_CPU,
+                                    "--lora_modules_to_save under FSDP1"),
+    "modules_to_save not in model": (["--use_peft_lora", "True", "--lora_modules_to_save", "wte"], {},
+                                     "['wte'] match no module of this model. Usual choices: ['embed_tokens'"),
+    "8-bit optimizer under FSDP2": (["--use_peft_lora", "True", "--optim", "paged_adamw_8bit"], FSDP2_CPU,
+                                    "--optim paged_adamw_8bit under FSDP2"),
+    "8-bit optimizer under FSDP1": (["--use_peft_lora", "True", "--optim", "adamw_bnb_8bit"], FSDP1_CPU,
+                                    "--optim adamw_bnb_8bit under FSDP1"),
+    "CPU offload on a CPU run": ([], {**FSDP2_CPU, "FSDP_OFFLOAD_PARAMS": "true"},
+                                 "fsdp_offload_params: true on a CPU run"),
     "push offline": (["--push_to_hub", "True"], {}, "--push_to_hub: HF_HUB_OFFLINE is set"),
     "token on the command line": (["--hub_token", "hf_secret"], {}, "--hub_token: a token on the command line"),
     "max_seq_len zero": (["--max_seq_len", "0"], {}, "must be a positive number of tokens"),

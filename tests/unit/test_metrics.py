@@ -1,0 +1,40 @@
+"""The throughput arithmetic: FLOPs per token as documented, parameter counts of quantized models, the MFU peak."""
+
+import torch
+
+from sft_recipe.metrics import FlopsModel, count_params, peak_tflops, plot_losses
+
+
+def test_flops_per_token_follows_the_stated_formula():
+    lora = FlopsModel(total_params=1000, trainable_params=10, num_layers=2, hidden_size=8, seq_len=16,
+                      gradient_checkpointing=False)
+    assert lora.per_token() == 4 * 1000 + 2 * 10 + 12 * 2 * 8 * 16
+    recompute = FlopsModel(1000, 10, 2, 8, 16, gradient_checkpointing=True)
+    assert recompute.per_token() == 6 * 1000 + 2 * 10 + 16 * 2 * 8 * 16
+    full = FlopsModel(1000, 1000, 2, 8, 16, False)  # full fine-tuning: the textbook 6N (+ attention)
+    assert full.per_token() - 12 * 2 * 8 * 16 == 6 * 1000
+
+
+def test_4bit_weights_count_their_real_size(tiny):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    plain = AutoModelForCausalLM.from_pretrained(str(tiny.model_dir))
+    quantized = AutoModelForCausalLM.from_pretrained(
+        str(tiny.model_dir), quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                                    bnb_4bit_compute_dtype=torch.float32))
+    assert sum(p.numel() for p in quantized.parameters()) < sum(p.numel() for p in plain.parameters())
+    assert count_params(quantized)[0] == count_params(plain)[0]
+
+
+def test_mfu_peak_comes_from_the_flag_and_is_absent_on_cpu():
+    assert peak_tflops(123.0) == 123.0
+    if not torch.cuda.is_available():
+        assert peak_tflops(None) is None
+
+
+def test_loss_curve_is_a_png(tmp_path):
+    summary = {"losses": [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}],
+               "eval_losses": [{"step": 2, "eval_loss": 2.5}], "global_steps": 2, "num_processes": 2,
+               "device": "cpu", "tokens_per_second": 100.0}
+    plot_losses(summary, str(tmp_path / "loss.png"))
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
