@@ -56,6 +56,30 @@ def trainable_checksum(accelerator, model) -> int:
     return _all_ranks_sum(accelerator, _local_sums(model))[1]
 
 
+def _model_state_mib(model, optimizer) -> float:
+    """This rank's share of weights + gradients + optimizer state (shards under FSDP): the part of memory that
+    sharding divides by N, measured directly rather than read off RSS (which also holds imports and activations)."""
+    seen, total = set(), 0
+    tensors = []
+    for p in model.parameters():
+        local = _shard_of(p)
+        tensors.append(local)
+        grad = getattr(p, "grad", None)
+        if grad is not None:
+            tensors.append(grad.to_local() if hasattr(grad, "to_local") else grad)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            tensors += [t.to_local() if hasattr(t, "to_local") else t for t in state.values()
+                        if isinstance(t, torch.Tensor)]
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total / 2**20
+
+
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
@@ -68,6 +92,11 @@ class RunFacts(TrainerCallback):
         self.trainer = trainer
         # Counted now, before FSDP1 flattens parameters (then only flat shards are visible).
         self.facts: dict = {"trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)}
+        # Model loaded, not yet wrapped: how much of it this rank holds in memory (with cpu_ram_efficient_loading the
+        # non-main ranks hold a meta skeleton and receive their shards from rank 0 when FSDP wraps the model).
+        self._weights_loaded_mib = sum(t.numel() * t.element_size() for t in
+                                       [*trainer.model.parameters(), *trainer.model.buffers()]
+                                       if t.device.type != "meta") / 2**20
         self._start = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -89,6 +118,8 @@ class RunFacts(TrainerCallback):
             self.facts["fsdp1_flat_params"] = {"trainable": sum(p.requires_grad for p in flat),
                                                "frozen": sum(not p.requires_grad for p in flat)}
         self.facts["checksums_before"] = _all_ranks_sum(accelerator, _local_sums(wrapped))
+        loaded = torch.tensor([self._weights_loaded_mib], dtype=torch.float64, device=accelerator.device)
+        self.facts["weights_loaded_mib_per_rank"] = [round(float(x), 1) for x in accelerator.gather(loaded)]
         self._start = time.time()
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -104,8 +135,11 @@ class RunFacts(TrainerCallback):
             losses=[h["loss"] for h in state.log_history if "loss" in h],
             eval_losses=[h["eval_loss"] for h in state.log_history if "eval_loss" in h],
         )
-        peaks = torch.tensor([_peak_rss_mib()], dtype=torch.float64, device=accelerator.device)
-        self.facts["peak_rss_mib_per_rank"] = [round(float(x), 1) for x in accelerator.gather(peaks)]
+        peaks = torch.tensor([_peak_rss_mib(), _model_state_mib(self.trainer.model_wrapped, self.trainer.optimizer)],
+                             dtype=torch.float64, device=accelerator.device)
+        gathered = accelerator.gather(peaks).reshape(-1, 2)
+        self.facts["peak_rss_mib_per_rank"] = [round(float(x), 1) for x in gathered[:, 0]]
+        self.facts["model_state_mib_per_rank"] = [round(float(x), 2) for x in gathered[:, 1]]
         if torch.cuda.is_available():
             self.facts["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
 

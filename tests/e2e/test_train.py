@@ -108,6 +108,14 @@ def test_train_save_verify_reload(name, tiny, tmp_path):
     assert facts["frozen_changed"] is False and facts["trainable_changed"] is True
     assert "frozen weights unchanged, trainable weights moved" in result.output  # the run summary line
 
+    # Memory facts: each rank's model state (shards under FSDP); with FSDP2's cpu_ram_efficient_loading only rank 0
+    # holds weights after loading, the other rank a meta skeleton.
+    assert len(facts["model_state_mib_per_rank"]) == facts["num_processes"]
+    assert all(v > 0 for v in facts["model_state_mib_per_rank"])
+    if fsdp_version == 2:
+        loaded = facts["weights_loaded_mib_per_rank"]
+        assert loaded[0] > 0.1 and loaded[1] == 0.0, loaded
+
     # Live throughput and memory in every training log, the end-of-run summary and plot, one progress bar.
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["global_steps"] == 8 and len(summary["losses"]) == 8 and summary["tokens_per_second"] > 0

@@ -1,0 +1,45 @@
+"""The bench scripts run: the GPU benchmark's code path on a tiny CPU config, its refusal without a GPU, and the CPU
+throughput table's arithmetic (full bench runs are not tests: they print tables, see README)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO, launch_env
+
+
+def _bench(*args, timeout=300):
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=launch_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_gpu_bench_code_path_runs_on_a_tiny_cpu_config():
+    proc = _bench("bench/gpu_throughput.py", "--cpu_smoke")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| sdpa |")]
+    assert len(rows) == 2 and "packed (padding-free)" in rows[0] and "padded" in rows[1]
+    assert "skipped: flash_attention_2" in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown on machines without a GPU")
+def test_gpu_bench_refuses_clearly_without_a_gpu():
+    proc = _bench("bench/gpu_throughput.py")
+    assert proc.returncode == 2 and "no CUDA GPU is visible" in proc.stderr and "--cpu_smoke" in proc.stderr
+
+
+def test_throughput_table_reports_sharing_and_loading(capsys):
+    sys.path.insert(0, str(REPO / "bench"))
+    from throughput import print_table
+
+    rows = [{"name": "lora-single", "what": "", "ranks": 1, "tokens_per_second": 60.0, "model_state": [300.0],
+             "after_load": [290.0], "peak_rss": [1100.0]},
+            {"name": "lora-fsdp2", "what": "", "ranks": 2, "tokens_per_second": 70.0, "model_state": [150.0, 150.0],
+             "after_load": [290.0, 0.0], "peak_rss": [1200.0, 1100.0]},
+            {"name": "lora-fsdp2-full-load", "what": "", "ranks": 2, "tokens_per_second": 70.0,
+             "model_state": [150.0, 150.0], "after_load": [290.0, 290.0], "peak_rss": [1300.0, 1300.0]}]
+    print_table(rows)
+    out = capsys.readouterr().out
+    assert "lora-fsdp2: model state per rank = 0.50 / 0.50 of one process (ideal 1/2)" in out
+    assert "290 MiB with cpu_ram_efficient_loading, 580 MiB without" in out
