@@ -3,7 +3,7 @@
 #   bash run_peft_fsdp.sh [extra train.py flags, which override the ones below]
 # Everything is overridable without editing this file:
 #   MODEL=meta-llama/Llama-2-70b-hf  DATASET=smangrul/ultrachat-10k-chatml  OUTPUT_DIR=llama-sft-lora-fsdp
-#   ACCELERATE_CONFIG=configs/fsdp_config.yaml  NUM_PROCESSES=(from the config)
+#   ACCELERATE_CONFIG=configs/fsdp_config.yaml  NUM_PROCESSES=(from the config)  LAUNCH_ARGS=(extra launcher flags)
 # Tiny CPU dry run (no GPU, no Hub), as the tests do:
 #   python -m sft_recipe.tiny --output_dir .tiny
 #   ACCELERATE_USE_CPU=true ACCELERATE_CONFIG=configs/cpu/fsdp2_config.yaml NUM_PROCESSES=2 MODEL=.tiny/model \
@@ -18,7 +18,13 @@ OUTPUT_DIR=${OUTPUT_DIR:-llama-sft-lora-fsdp}
 ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-configs/fsdp_config.yaml}
 LAUNCH=(accelerate launch --config_file "$ACCELERATE_CONFIG")
 if [[ -n "${NUM_PROCESSES:-}" ]]; then LAUNCH+=(--num_processes "$NUM_PROCESSES"); fi
+# Extra launcher flags, word-split (run_peft_slurm.sh passes --num_machines/--machine_rank/... this way).
+if [[ -n "${LAUNCH_ARGS:-}" ]]; then read -r -a extra_launch <<< "$LAUNCH_ARGS"; LAUNCH+=("${extra_launch[@]}"); fi
 
+# Only a preemption note written by THIS run means "preempted": one left by an earlier, since-resumed preemption must
+# not turn a run that failed for another reason into "retry me".
+note_fingerprint() { if [[ -f "$OUTPUT_DIR/preempted.json" ]]; then cksum < "$OUTPUT_DIR/preempted.json"; stat -c %Y "$OUTPUT_DIR/preempted.json"; fi; }
+note_before=$(note_fingerprint)
 status=0
 "${LAUNCH[@]}" train.py \
 --seed 100 \
@@ -62,5 +68,5 @@ status=0
 "$@" || status=$?
 # Preempted (SIGTERM/SIGUSR1): a checkpoint was written; exit 75 so a requeue wrapper can resume with
 # --resume_from_checkpoint latest (the launcher itself reports any failed rank as 1).
-if [[ -f "$OUTPUT_DIR/preempted.json" ]]; then exit 75; fi
+if [[ -f "$OUTPUT_DIR/preempted.json" && "$(note_fingerprint)" != "$note_before" ]]; then exit 75; fi
 exit "$status"

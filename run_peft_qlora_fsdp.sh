@@ -19,6 +19,10 @@ ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-configs/fsdp_config_qlora.yaml}
 LAUNCH=(accelerate launch --config_file "$ACCELERATE_CONFIG")
 if [[ -n "${NUM_PROCESSES:-}" ]]; then LAUNCH+=(--num_processes "$NUM_PROCESSES"); fi
 
+# Only a preemption note written by THIS run means "preempted": one left by an earlier, since-resumed preemption must
+# not turn a run that failed for another reason into "retry me".
+note_fingerprint() { if [[ -f "$OUTPUT_DIR/preempted.json" ]]; then cksum < "$OUTPUT_DIR/preempted.json"; stat -c %Y "$OUTPUT_DIR/preempted.json"; fi; }
+note_before=$(note_fingerprint)
 status=0
 "${LAUNCH[@]}" train.py \
 --seed 100 \
@@ -65,5 +69,5 @@ status=0
 "$@" || status=$?
 # Preempted (SIGTERM/SIGUSR1): a checkpoint was written; exit 75 so a requeue wrapper can resume with
 # --resume_from_checkpoint latest (the launcher itself reports any failed rank as 1).
-if [[ -f "$OUTPUT_DIR/preempted.json" ]]; then exit 75; fi
+if [[ -f "$OUTPUT_DIR/preempted.json" && "$(note_fingerprint)" != "$note_before" ]]; then exit 75; fi
 exit "$status"

@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     from sft_recipe.validate import validate
 
     validate(model_args, data_args, recipe_args, training_args)
+    if recipe_args.plan_memory_gib:  # will it fit? answered from the model config alone, then exit
+        print_memory_plan_and_exit(model_args, data_args, recipe_args, training_args)
     from sft_recipe.checkpoints import move_previous_run_aside, resolve_resume
 
     resume_from = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)[0]
@@ -108,6 +110,19 @@ def main(argv: list[str] | None = None) -> None:
         repo = training_args.hub_model_id or os.path.basename(os.path.abspath(training_args.output_dir))
         private = " --private" if training_args.hub_private_repo is not False else ""
         print(f"Push deferred. Upload later with: hf upload {repo} {training_args.output_dir}{private}", flush=True)
+
+
+def print_memory_plan_and_exit(model_args, data_args, recipe_args, training_args) -> None:
+    import torch
+
+    from sft_recipe.plan import plan_memory
+
+    device = "cuda" if torch.cuda.is_available() and not training_args.use_cpu else "cpu"
+    plan = plan_memory(model_args, data_args, training_args, accelerate_config="env",
+                       gpu_memory_gib=recipe_args.plan_memory_gib, device=device)
+    if os.environ.get("RANK", "0") == "0":
+        print(plan.render(), flush=True)
+    raise SystemExit(0 if plan.fits else 3)
 
 
 def run() -> int:

@@ -10,8 +10,9 @@ run_summary.json / run_facts.json:
     tokens/s         all ranks together, mean over the logged steps after the first (warm-up)
     model state      this rank's weights + gradients + optimizer state (shards under FSDP), MiB: what sharding
                      divides by N
-    weights loaded   model bytes each rank holds once loaded, before wrapping (cpu_ram_efficient_loading: rank 0
-                     holds the weights, the others a meta skeleton; RSS cannot show this, as safetensors are mmapped)
+    after load       resident memory per rank once the model is loaded, before wrapping: private (anonymous) + file
+                     pages. Weights read from safetensors stay mmapped file pages, which every rank shares through the
+                     page cache, until something copies them into private memory.
     peak RSS         per rank, MiB (includes ~480 MiB of torch + transformers import)
 CPU offload (`fsdp_offload_params`) needs a GPU and is not a row here. Numbers are for comparing rows of one run:
 these machines are shared and noisy.
@@ -85,7 +86,7 @@ def run(model_dir: Path, work: Path, name: str) -> dict:
     facts = json.loads((out / "run_facts.json").read_text())
     return {"name": name, "what": what, "ranks": facts["num_processes"],
             "tokens_per_second": summary["tokens_per_second"], "model_state": facts["model_state_mib_per_rank"],
-            "after_load": facts["weights_loaded_mib_per_rank"], "peak_rss": facts["peak_rss_mib_per_rank"]}
+            "after_load": facts["rss_anon_after_load_mib_per_rank"], "after_load_file": facts["rss_file_after_load_mib_per_rank"], "peak_rss": facts["peak_rss_mib_per_rank"]}
 
 
 def _per_rank(values: list[float]) -> str:
@@ -93,14 +94,15 @@ def _per_rank(values: list[float]) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"| setup | ranks | tokens/s | model state MiB/rank | weights loaded MiB/rank | peak RSS MiB/rank | what |")
+    print(f"| setup | ranks | tokens/s | model state MiB/rank | after load: private + file MiB/rank | peak RSS MiB/rank | what |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['name']} | - | failed | | | | {r['error'].splitlines()[-1][:80]} |")
             continue
         print(f"| {r['name']} | {r['ranks']} | {r['tokens_per_second']:.0f} | {_per_rank(r['model_state'])} | "
-              f"{_per_rank(r['after_load'])} | {_per_rank(r['peak_rss'])} | {r['what']} |")
+              f"{_per_rank(r['after_load'])} + {_per_rank(r['after_load_file'])} | {_per_rank(r['peak_rss'])} | "
+              f"{r['what']} |")
     base = {r["name"]: r for r in rows if "error" not in r}
     if "lora-single" in base:
         single = base["lora-single"]["model_state"][0]
@@ -111,7 +113,8 @@ def print_table(rows: list[dict]) -> None:
                       f"(ideal 1/{base[name]['ranks']})")
     if "lora-fsdp2" in base and "lora-fsdp2-full-load" in base:
         on, off = sum(base["lora-fsdp2"]["after_load"]), sum(base["lora-fsdp2-full-load"]["after_load"])
-        print(f"weights loaded, all ranks: {on:.0f} MiB with cpu_ram_efficient_loading, {off:.0f} MiB without")
+        print(f"private memory after load, all ranks: {on:.0f} MiB with cpu_ram_efficient_loading, {off:.0f} MiB "
+              "without")
 
 
 def main(argv: list[str] | None = None) -> int:

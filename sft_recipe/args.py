@@ -122,6 +122,11 @@ class RecipeArguments:
         metadata={"help": "Peak dense bf16 TFLOPS of one device, for the MFU in the logs. Default: looked up from the "
                           "GPU name (H100/H200 989, A100 312, ...); none on CPU, where MFU is not logged."},
     )
+    plan_memory_gib: float | None = field(
+        default=None,
+        metadata={"help": "Print the per-rank memory plan for GPUs of this many GiB (see python -m sft_recipe.plan) "
+                          "and exit before loading any weight: exit 0 if it fits, 3 if not."},
+    )
     defer_push_to_hub: bool = field(
         default=False,
         metadata={"help": "With --push_to_hub: train now without Hub access and print the upload command at the end."},
@@ -271,7 +276,11 @@ def hardware_defaults(argv: list[str], yaml_values: dict[str, Any], problems: li
         defaults["bf16"] = False
     bf16_asked = _value_of(argv, "bf16", yaml_values.get("bf16"))
     use_cpu_asked = cpu_switch or _truthy(_value_of(argv, "use_cpu", yaml_values.get("use_cpu")))
-    if _truthy(bf16_asked) and not bf16_gpu and not use_cpu_asked:
+    if _truthy(bf16_asked) and not bf16_gpu and not use_cpu_asked and \
+            os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        problems.append("--bf16 True: this machine has no GPU with bf16, and DeepSpeed runs on the CPU in fp32 only "
+                        "(ACCELERATE_USE_CPU, the switch for bf16 on CPU, turns DeepSpeed off). Fix: --bf16 False.")
+    elif _truthy(bf16_asked) and not bf16_gpu and not use_cpu_asked:
         problems.append(
             "--bf16 True: this machine has no GPU with bf16. Fix: --bf16 False (fp32; bf16 on a CPU is emulated and "
             "~20x slower), or set ACCELERATE_USE_CPU=true (or --use_cpu True) to run bf16 on the CPU anyway."

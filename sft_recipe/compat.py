@@ -27,6 +27,11 @@ def fsdp_requested() -> bool:
     return _env_flag("ACCELERATE_USE_FSDP")
 
 
+def deepspeed_requested() -> bool:
+    """`accelerate launch` with a DeepSpeed config exports ACCELERATE_USE_DEEPSPEED=true to every rank."""
+    return _env_flag("ACCELERATE_USE_DEEPSPEED")
+
+
 def fsdp_on_cpu_requested() -> bool:
     return fsdp_requested() and _env_flag("ACCELERATE_USE_CPU")
 

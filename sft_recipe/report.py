@@ -20,6 +20,9 @@ RUN_FACTS = "run_facts.json"
 def _shard_of(p: torch.Tensor) -> torch.Tensor:
     if hasattr(p, "to_local"):  # FSDP2 DTensor
         return p.to_local()
+    ds_shard = getattr(p, "ds_tensor", None)  # DeepSpeed ZeRO-3: p itself is empty, or gathered for a moment
+    if ds_shard is not None:
+        return ds_shard
     shard = getattr(p, "_local_shard", None)  # FSDP1 FlatParameter keeps its shard even while unsharded
     return shard if shard is not None else p
 
@@ -80,6 +83,20 @@ def _model_state_mib(model, optimizer) -> float:
     return total / 2**20
 
 
+def _rss_kinds_mib() -> tuple[float, float]:
+    """(RssAnon, RssFile) of this process in MiB, from /proc (Linux); zeros elsewhere."""
+    values = {"RssAnon:": 0.0, "RssFile:": 0.0}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                name, *rest = line.split()
+                if name in values:
+                    values[name] = float(rest[0]) / 1024  # kB
+    except OSError:
+        pass
+    return values["RssAnon:"], values["RssFile:"]
+
+
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
@@ -92,11 +109,10 @@ class RunFacts(TrainerCallback):
         self.trainer = trainer
         # Counted now, before FSDP1 flattens parameters (then only flat shards are visible).
         self.facts: dict = {"trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)}
-        # Model loaded, not yet wrapped: how much of it this rank holds in memory (with cpu_ram_efficient_loading the
-        # non-main ranks hold a meta skeleton and receive their shards from rank 0 when FSDP wraps the model).
-        self._weights_loaded_mib = sum(t.numel() * t.element_size() for t in
-                                       [*trainer.model.parameters(), *trainer.model.buffers()]
-                                       if t.device.type != "meta") / 2**20
+        # Model loaded, not yet wrapped: this rank's private (anonymous) resident memory and its resident file pages.
+        # Weights read from safetensors stay file pages (mmapped, shared by every rank through the page cache) until
+        # something copies them into private memory; cpu_ram_efficient_loading is about that private copy.
+        self._rss_after_load_mib = _rss_kinds_mib()
         self._start = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -118,8 +134,10 @@ class RunFacts(TrainerCallback):
             self.facts["fsdp1_flat_params"] = {"trainable": sum(p.requires_grad for p in flat),
                                                "frozen": sum(not p.requires_grad for p in flat)}
         self.facts["checksums_before"] = _all_ranks_sum(accelerator, _local_sums(wrapped))
-        loaded = torch.tensor([self._weights_loaded_mib], dtype=torch.float64, device=accelerator.device)
-        self.facts["weights_loaded_mib_per_rank"] = [round(float(x), 1) for x in accelerator.gather(loaded)]
+        loaded = torch.tensor(self._rss_after_load_mib, dtype=torch.float64, device=accelerator.device)
+        loaded = accelerator.gather(loaded).reshape(-1, 2)
+        self.facts["rss_anon_after_load_mib_per_rank"] = [round(float(x), 1) for x in loaded[:, 0]]
+        self.facts["rss_file_after_load_mib_per_rank"] = [round(float(x), 1) for x in loaded[:, 1]]
         self._start = time.time()
 
     def on_train_end(self, args, state, control, **kwargs):

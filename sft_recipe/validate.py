@@ -35,6 +35,12 @@ def _model_problems(m: ModelArguments, t) -> list[str]:
             problems.append(f"--{flag} '{value}' is not a dtype; use one of {sorted(DTYPES)}.")
     if m.bnb_4bit_compute_dtype == "uint8" and m.use_4bit_quantization:
         problems.append("--bnb_4bit_compute_dtype uint8: computation needs a float dtype, e.g. bfloat16.")
+    if m.use_4bit_quantization and compat.fsdp_requested() and os.environ.get("FSDP_VERSION", "1") == "1" and \
+            m.bnb_4bit_quant_storage_dtype == "float32":
+        problems.append("--bnb_4bit_quant_storage_dtype float32 under FSDP1: TRL casts the LoRA weights of a quantized "
+                        "model to bf16, and FSDP1 then multiplies bf16 by float32 (\"expected m1 and m2 to have the "
+                        "same dtype\") at the first step. Fix: --bnb_4bit_quant_storage_dtype bfloat16 with --bf16 "
+                        "True (the guide's), or FSDP2.")
     if m.use_4bit_quantization and compat.fsdp_requested():
         storage = m.bnb_4bit_quant_storage_dtype
         if storage not in FLOAT_DTYPES:
@@ -43,7 +49,7 @@ def _model_problems(m: ModelArguments, t) -> list[str]:
                             "--bnb_4bit_quant_storage_dtype bfloat16 (with --bf16 True) or float32.")
         elif storage == "bfloat16" and not t.bf16:
             problems.append("--bnb_4bit_quant_storage_dtype bfloat16 loads the model in bfloat16, but --bf16 is off "
-                            "(fp16/fp32 training). Fix: --bf16 True, or --bnb_4bit_quant_storage_dtype float32.")
+                            "(fp16/fp32 training). Fix: --bf16 True, or (FSDP2) --bnb_4bit_quant_storage_dtype float32.")
     if m.use_flash_attn:
         problem = flash_attn_problem()
         if problem:
@@ -134,6 +140,52 @@ def _fsdp_env_problems(m: ModelArguments) -> list[str]:
     if m.use_4bit_quantization and env("FSDP_USE_ORIG_PARAMS", "false").lower() == "true" and version == "1":
         logger.warning("fsdp_use_orig_params: true with QLoRA keeps gradient buffers for the frozen 4-bit weights "
                        "too: much more GPU memory than the guide's false (use configs/fsdp_config_qlora.yaml).")
+    return problems
+
+
+def _deepspeed_env_problems(m: ModelArguments, t) -> list[str]:
+    """The DeepSpeed part of the accelerate config, as the launcher exported it (ACCELERATE_DEEPSPEED_* variables)."""
+    if not compat.deepspeed_requested():
+        return []
+    env = os.environ.get
+    problems = []
+    zero_stage = env("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or t.use_cpu:
+        problems.append("ACCELERATE_USE_CPU=true (or --use_cpu True) with a DeepSpeed config: accelerate 1.15 then "
+                        "turns DeepSpeed off and runs DDP over ZeRO-3-partitioned weights, which fails at the first "
+                        "step (\"The size of tensor a (0) must match the size of tensor b\"). Fix: unset "
+                        "ACCELERATE_USE_CPU; without GPUs pass --ddp_backend gloo instead "
+                        "(see configs/cpu/deepspeed_config.yaml).")
+    elif not torch_cuda_count() and t.ddp_backend != "gloo":
+        problems.append(f"--ddp_backend {t.ddp_backend}: DeepSpeed on a machine without CUDA GPUs needs --ddp_backend "
+                        "gloo; otherwise accelerate counts one process and DeepSpeed stops with \"train_batch_size is "
+                        "not equal to micro_batch_per_gpu * gradient_acc_step * world_size\". Fix: --ddp_backend gloo "
+                        "(with --bf16 False).")
+    config_steps = env("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "")
+    if config_steps.isdigit() and int(config_steps) != t.gradient_accumulation_steps:
+        problems.append(f"--gradient_accumulation_steps {t.gradient_accumulation_steps} but the DeepSpeed config says "
+                        f"gradient_accumulation_steps: {config_steps}; DeepSpeed refuses the mismatch once the model "
+                        f"is loaded. Fix: --gradient_accumulation_steps {config_steps}, or change the config.")
+    if zero_stage == "3" and env("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", "false").lower() != "true":
+        problems.append("zero_stage: 3 with zero3_save_16bit_model: false: the final adapter cannot be gathered from "
+                        "the ZeRO-3 shards, so the run would fail after training (\"Cannot get 16bit model "
+                        "weights\"). Fix: zero3_save_16bit_model: true in the accelerate config.")
+    if m.use_4bit_quantization and zero_stage == "3" and env("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false") != "true":
+        logger.warning("QLoRA with ZeRO-3 and zero3_init_flag: false: upstream's guide requires zero3_init_flag: true "
+                       "(configs/deepspeed_config_z3_qlora.yaml) so that transformers loads the model ZeRO-3-aware.")
+    save_strategy = str(t.save_strategy).split(".")[-1].lower()
+    if zero_stage == "3" and not torch_cuda_count() and m.use_4bit_quantization and save_strategy != "no":
+        problems.append(f"--save_strategy {save_strategy} with QLoRA under DeepSpeed ZeRO-3 on CPU: bitsandbytes "
+                        "repacks 4-bit weights for its CPU kernels and cannot save the ZeRO-3 partitions of them "
+                        "(\"packed_weight should be [N, K/2]\"), so every checkpoint save fails. Fix: "
+                        "--save_strategy no for CPU dry runs (the final adapter still saves; this bitsandbytes path is "
+                        "CPU-only).")
+    new_tokens = getattr(m, "train_new_tokens", False) and m.chat_template_format != "none"
+    if zero_stage == "3" and not torch_cuda_count() and new_tokens:
+        problems.append(f"--chat_template_format {m.chat_template_format} with --train_new_tokens True under DeepSpeed "
+                        "ZeRO-3 on CPU: PEFT gathers the new tokens' rows on a CUDA device only (\"Torch not "
+                        "compiled with CUDA enabled\"). Fix: --train_new_tokens False or --chat_template_format none "
+                        "for CPU dry runs (PEFT implements this gather for CUDA).")
     return problems
 
 
@@ -274,6 +326,7 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t)
     """Raise ConfigError listing every problem in the configuration; cheap, loads no weights."""
     problems = _model_problems(m, t) + _adapter_variant_problems(m, t) + _training_problems(m, d, r, t)
     problems += _fsdp_env_problems(m)
+    problems += _deepspeed_env_problems(m, t)
     problems += locate_splits(d)[1]
     local_model = Path(m.model_name_or_path)
     if m.model_name_or_path.startswith((".", "/")) and not local_model.exists():

@@ -82,3 +82,15 @@ def test_files_section_matches_the_repository():
     described = {n.rstrip("/") for n in named} | {n.split("/")[0] for n in named}
     missing = sorted(t for t in tops if t.rstrip("/") not in described)
     assert not missing, f"README's file list does not describe: {missing}"
+
+
+def test_the_memory_plan_commands_run_offline():
+    lines = [line.split("#")[0].strip() for line in _code_lines() if "-m sft_recipe.plan" in line]
+    assert len(lines) == 2
+    for line in lines:
+        words = shlex.split(line)
+        assert words[0] == ".venv/bin/python"
+        proc = subprocess.run([sys.executable, *words[1:]], cwd=REPO, env=launch_env(cpu_switch=False),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode in (0, 3), proc.stderr[-3000:]  # 3: the plan says it does not fit
+        assert "72-80" in proc.stdout if "--guide" in words else "memory plan" in proc.stdout

@@ -108,13 +108,10 @@ def test_train_save_verify_reload(name, tiny, tmp_path):
     assert facts["frozen_changed"] is False and facts["trainable_changed"] is True
     assert "frozen weights unchanged, trainable weights moved" in result.output  # the run summary line
 
-    # Memory facts: each rank's model state (shards under FSDP); with FSDP2's cpu_ram_efficient_loading only rank 0
-    # holds weights after loading, the other rank a meta skeleton.
+    # Memory facts per rank: model state (shards under FSDP) and resident memory once the model was loaded.
     assert len(facts["model_state_mib_per_rank"]) == facts["num_processes"]
     assert all(v > 0 for v in facts["model_state_mib_per_rank"])
-    if fsdp_version == 2:
-        loaded = facts["weights_loaded_mib_per_rank"]
-        assert loaded[0] > 0.1 and loaded[1] == 0.0, loaded
+    assert all(v > 50 for v in facts["rss_anon_after_load_mib_per_rank"])  # torch + transformers alone are more
 
     # Live throughput and memory in every training log, the end-of-run summary and plot, one progress bar.
     summary = json.loads((out / "run_summary.json").read_text())

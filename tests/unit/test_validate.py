@@ -58,6 +58,8 @@ MISTAKES = {
     "target modules empty": (["--use_peft_lora", "True", "--lora_target_modules", " "], {}, "is empty"),
     "target modules not in model": (["--use_peft_lora", "True", "--lora_target_modules", "q_proj,c_attn"], {},
                                     "['c_attn'] match no linear layer of this model. Candidates: ['down_proj'"),
+    "float32 4-bit storage under FSDP1": (QLORA + ["--bnb_4bit_quant_storage_dtype", "float32"], FSDP1_CPU,
+                                          "--bnb_4bit_quant_storage_dtype float32 under FSDP1"),
     "DoRA with 8-bit": (["--use_peft_lora", "True", "--use_8bit_quantization", "True", "--use_dora", "True"], {},
                         "--use_dora True with --use_8bit_quantization True"),
     "QDoRA under FSDP2": (QLORA + ["--use_dora", "True", "--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16",

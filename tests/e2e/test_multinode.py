@@ -1,0 +1,150 @@
+"""Several machines, on one computer over loopback: the real launcher, real rendezvous, real training.
+
+- Two `accelerate launch` processes started at once, one per "machine" (--num_machines 2 --machine_rank 0/1
+  --main_process_ip 127.0.0.1), train exactly what one machine with the same two ranks trains: same per-step losses,
+  same adapter.
+- run_peft_slurm.sh under fake `srun`/`scontrol` (tests/test_slurm.py) with the real launcher: SIGUSR1 to every
+  process of the job step (what `#SBATCH --signal=USR1@300` does) checkpoints, requeues and exits 75; the requeued
+  job resumes from that checkpoint and finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO, _bin_dir, _free_port, launch_env, launch_train
+from tests.e2e.test_parity import RELATIVE_TOLERANCE
+from tests.test_slurm import JOB_ID, slurm_env, write_shims
+
+FLAGS = ["--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0",
+         "--lora_target_modules", "all-linear", "--max_steps", "8", "--per_device_train_batch_size", "4",
+         "--learning_rate", "3e-3", "--logging_steps", "1", "--packing", "True", "--max_seq_len", "128",
+         "--report_to", "none", "--save_strategy", "no", "--eval_strategy", "no", "--seed", "7",
+         "--gradient_checkpointing", "True", "--use_reentrant", "False", "--chat_template_format", "none"]
+MULTI_NODE_CPU_CONFIG = "configs/cpu/multi_node_fsdp_config.yaml"
+
+
+def test_two_machines_over_loopback_train_what_one_machine_trains(tiny, tmp_path):
+    data = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir)]
+    out = tmp_path / "two-machines"
+    port = str(_free_port())
+    machines = []
+    for machine_rank in (0, 1):
+        log = open(tmp_path / f"machine-{machine_rank}.log", "w+")
+        cmd = [os.path.join(_bin_dir(), "accelerate"), "launch", "--config_file", str(REPO / MULTI_NODE_CPU_CONFIG),
+               "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine_rank),
+               "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+               "train.py", "--output_dir", str(out), *data, *FLAGS]
+        machines.append((subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=log, stderr=subprocess.STDOUT),
+                         log))
+    try:
+        for proc, _ in machines:
+            proc.wait(timeout=300)
+    finally:
+        for proc, _ in machines:
+            if proc.poll() is None:
+                proc.kill()
+    logs = []
+    for proc, log in machines:
+        log.seek(0)
+        logs.append(log.read())
+        assert proc.returncode == 0, logs[-1][-4000:]
+
+    reference = launch_train("cpu/fsdp_config.yaml", tmp_path / "one-machine", [*data, *FLAGS])
+    assert reference.returncode == 0, reference.output[-4000:]
+
+    facts = json.loads((out / "run_facts.json").read_text())
+    assert (facts["distributed_type"], facts["fsdp_version"], facts["num_processes"]) == ("FSDP", 1, 2)
+    # Global rank 0 (the main process: summary, adapter check) ran on machine 0, as --machine_rank asked.
+    assert "run summary:" in logs[0] and "run summary:" not in logs[1]
+    losses, reference_losses = facts["losses"], reference.facts["losses"]
+    assert len(losses) == len(reference_losses) == 8
+    for step, (a, b) in enumerate(zip(losses, reference_losses), start=1):
+        assert abs(a - b) <= RELATIVE_TOLERANCE * abs(b), f"step {step}: {a} vs {b}"
+    adapter = load_file(str(out / "adapter_model.safetensors"))
+    reference_adapter = load_file(str(reference.output_dir / "adapter_model.safetensors"))
+    assert adapter.keys() == reference_adapter.keys() and adapter
+    for key, tensor in adapter.items():
+        torch.testing.assert_close(tensor, reference_adapter[key], rtol=RELATIVE_TOLERANCE, atol=1e-6, msg=key)
+
+
+def _step_processes(script: subprocess.Popen) -> list[psutil.Process]:
+    """What Slurm counts as the job step: every launcher and rank (not the batch shell, not srun)."""
+    procs = []
+    for child in psutil.Process(script.pid).children(recursive=True):
+        try:
+            program = child.cmdline()[:3]  # [python, .../accelerate, launch] or [python, -u, train.py]
+        except psutil.Error:
+            continue
+        if any(arg.endswith("/accelerate") or arg == "train.py" for arg in program):
+            procs.append(child)
+    return procs
+
+
+def _wait_for_losses(log, count: int, timeout_s: float = 180) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        log.seek(0)
+        if log.read().count("'loss'") >= count:
+            return
+        time.sleep(0.2)
+    log.seek(0)
+    raise AssertionError("training never started:\n" + log.read()[-4000:])
+
+
+def test_slurm_script_preempted_by_usr1_requeues_then_resumes(tiny, tmp_path):
+    write_shims(tmp_path / "bin", accelerate=False)  # fake srun/scontrol, the real launcher
+    cpu_flags = ["--bf16", "False", "--use_flash_attn", "False", "--push_to_hub", "False", "--max_steps", "40",
+                 "--max_seq_len", "128", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+                 "--logging_steps", "1", "--eval_strategy", "no", "--chat_template_format", "none"]
+
+    def env_for(**extra):
+        env = launch_env()
+        env.update(slurm_env(tmp_path, 2, ["127.0.0.1", "127.0.0.1"], GPUS_PER_NODE="1",
+                             ACCELERATE_CONFIG=MULTI_NODE_CPU_CONFIG, MAIN_PROCESS_PORT=str(_free_port()),
+                             MODEL=str(tiny.model_dir), DATASET=str(tiny.jsonl_dir), **extra))
+        env["PATH"] = f"{tmp_path / 'bin'}{os.pathsep}{launch_env()['PATH']}"
+        return env
+
+    out = tmp_path / "out"
+    log = open(tmp_path / "job.log", "w+")
+    script = subprocess.Popen(["bash", str(REPO / "run_peft_slurm.sh"), *cpu_flags], cwd=tmp_path, env=env_for(),
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_for_losses(log, 2)
+        step = _step_processes(script)
+        assert len(step) >= 4, "two launchers and two ranks"
+        for proc in step:
+            proc.send_signal(signal.SIGUSR1)
+        script.wait(timeout=180)
+    finally:
+        if script.poll() is None:
+            script.kill()
+    log.seek(0)
+    output = log.read()
+    assert script.returncode == 75, output[-4000:]
+    assert (tmp_path / "log" / "requeue").read_text().split() == [JOB_ID]
+    assert "preempted: stopped by SIGUSR1" in output
+    stopped_at = sorted(out.glob("checkpoint-*/checkpoint_complete.json"))
+    assert stopped_at, "a complete checkpoint to resume from"
+
+    # The requeued job: same command, Slurm counts the restart; it resumes by itself and finishes.
+    resumed = subprocess.run(["bash", str(REPO / "run_peft_slurm.sh"), *cpu_flags], cwd=tmp_path,
+                             env=env_for(SLURM_RESTART_COUNT="1"), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    facts = json.loads((out / "run_facts.json").read_text())
+    assert facts["global_steps"] == 40
+    preempted_at = max(int(marker.parent.name.split("-")[1]) for marker in stopped_at)
+    assert resumed.stdout.count("'loss'") == 40 - preempted_at, "the requeued job trained only the steps left"
+    assert "adapter check OK" in resumed.stdout
+    assert not (out / "preempted.json").exists()
+    assert (tmp_path / "log" / "requeue").read_text().split() == [JOB_ID], "no second requeue"
