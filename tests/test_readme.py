@@ -94,3 +94,9 @@ def test_the_memory_plan_commands_run_offline():
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode in (0, 3), proc.stderr[-3000:]  # 3: the plan says it does not fit
         assert "72-80" in proc.stdout if "--guide" in words else "memory plan" in proc.stdout
+
+
+def test_demo_script_runs_the_readme_merge_command():
+    merge = next(line for line in _code_lines() if line.startswith("python merge_adapter.py"))
+    demo = (REPO / "scripts" / "demo.sh").read_text()
+    assert merge.split("--adapter_dir")[0] in demo and "--adapter_dir \"$OUTPUT_DIR\"" in demo

@@ -296,3 +296,24 @@ def test_plan_from_the_launcher_environment(tiny, monkeypatch):
     plan = plan_memory(model_args, data_args, training_args, "env", None, 8.0, "cpu")
     assert "FSDP2 FULL_SHARD, 2 processes" in plan.setup and len(plan.per_rank_bytes) == 2
     assert os.environ["WORLD_SIZE"] == "2"
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_other_llama_style_families_plan_from_their_config_alone(tmp_path, family):
+    """Mistral and Qwen2 (bias on q/k/v) configs: counts match the built model and PEFT, and a plan renders."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    config_class = {"mistral": MistralConfig, "qwen2": Qwen2Config}[family]
+    config = config_class(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)
+    config.save_pretrained(str(tmp_path))  # config only: planning must not need weights
+    shape = model_shape(str(tmp_path))
+    model = AutoModelForCausalLM.from_config(config)
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    assert shape.lora_params(4, "all-linear") == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    args = parse_train_flags(["--model_name_or_path", str(tmp_path), "--use_peft_lora", "True",
+                              "--lora_target_modules", "all-linear"], "cuda")
+    plan = _plan(args, _fsdp(2))
+    assert "memory plan" in plan.render() and plan.fits

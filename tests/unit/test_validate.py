@@ -163,7 +163,8 @@ def test_fsdp2_on_cpu_handles_bf16_with_non_reentrant_checkpointing(good, monkey
 def test_use_orig_params_with_qlora_warns_about_memory(good, monkeypatch, caplog):
     for key, value in {**FSDP1_CPU, "FSDP_USE_ORIG_PARAMS": "true"}.items():
         monkeypatch.setenv(key, value)
-    validate(*parse_args(good + QLORA + ["--bnb_4bit_quant_storage_dtype", "float32"]))
+    validate(*parse_args(good + QLORA + ["--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16", "True",
+                                        "--use_reentrant", "True"]))
     assert "fsdp_use_orig_params: true with QLoRA" in caplog.text
 
 
