@@ -57,18 +57,9 @@ CPU_UNRUNNABLE = {"lora-fsdp1-s128-offload": "offload pins shards in page-locked
 
 
 def build_bench_model(root: Path, hidden_size: int = 1024, num_hidden_layers: int = 8) -> Path:
-    """A seeded random Llama (fp32) whose weights dominate memory, with the tiny tokenizer."""
-    from transformers import AutoTokenizer
+    from sft_recipe.tiny import build_bench_model as build
 
-    from sft_recipe.tiny import build_model, build_tiny
-
-    build_tiny(REPO / ".tiny")  # no-op when already built
-    tokenizer = AutoTokenizer.from_pretrained(str(REPO / ".tiny" / "model"))
-    model = build_model(tokenizer, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers)
-    out = root / f"llama-{hidden_size}x{num_hidden_layers}"
-    model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
-    return out
+    return build(root, REPO / ".tiny", hidden_size, num_hidden_layers)
 
 
 def launch_env(gpu: bool) -> dict:

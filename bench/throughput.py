@@ -58,17 +58,9 @@ SETUPS = {
 
 
 def build_bench_model(root: Path, hidden_size: int = 1024, num_hidden_layers: int = 8) -> Path:
-    from transformers import AutoTokenizer
+    from sft_recipe.tiny import build_bench_model as build
 
-    from sft_recipe.tiny import build_model, build_tiny
-
-    build_tiny(REPO / ".tiny")
-    tokenizer = AutoTokenizer.from_pretrained(str(REPO / ".tiny" / "model"))
-    model = build_model(tokenizer, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers)
-    out = root / f"llama-{hidden_size}x{num_hidden_layers}"
-    model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
-    return out
+    return build(root, REPO / ".tiny", hidden_size, num_hidden_layers)
 
 
 def run(model_dir: Path, work: Path, name: str) -> dict:
