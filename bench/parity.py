@@ -19,7 +19,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]

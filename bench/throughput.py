@@ -86,7 +86,7 @@ def _per_rank(values: list[float]) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"| setup | ranks | tokens/s | model state MiB/rank | after load: private + file MiB/rank | peak RSS MiB/rank | what |")
+    print("| setup | ranks | tokens/s | model state MiB/rank | after load: private + file MiB/rank | peak RSS MiB/rank | what |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:

@@ -7,7 +7,6 @@ against what the adapter *should* hold, computed independently from the base mod
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -45,6 +44,29 @@ class AdapterReport:
         return head + "".join(f"\n  - {p}" for p in self.problems)
 
 
+def embedding_leaf_name(model) -> str:
+    """Leaf name of the model's input embedding (`embed_tokens` for Llama-style models)."""
+    embedding = model.get_input_embeddings()
+    return next(name for name, module in model.named_modules() if module is embedding).rsplit(".", 1)[-1]
+
+
+def saved_embedding_rows(adapter_dir, embedding_name: str = "embed_tokens") -> int | None:
+    """Rows of the full input-embedding matrix an adapter holds (saved when training resized the vocabulary), else
+    None: `...embed_tokens.weight`, a `modules_to_save` copy, or `...token_adapter.base_layer.weight` with trainable
+    tokens -- never a LoRA matrix or a trainable-tokens delta, which hold only some rows."""
+    from safetensors import safe_open
+
+    path = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
+    if not os.path.isfile(path):
+        return None
+    with safe_open(path, framework="pt") as f:
+        for key in f.keys():
+            if embedding_name in key.split(".") and key.endswith(".weight") and ".lora_" not in key \
+                    and "_delta" not in key:
+                return f.get_slice(key).get_shape()[0]
+    return None
+
+
 def expected_adapter_tensors(adapter_dir: str, trust_remote_code: bool = False) -> dict[str, tuple[int, ...]]:
     """Key -> shape of every tensor a correct adapter_model.safetensors in `adapter_dir` must hold.
 
@@ -52,24 +74,19 @@ def expected_adapter_tensors(adapter_dir: str, trust_remote_code: bool = False) 
     logic on an unwrapped model, so FSDP naming bugs cannot hide a missing tensor here.
     """
     from peft import PeftConfig, get_peft_model, get_peft_model_state_dict
-    from safetensors import safe_open
 
     from .model import meta_model
 
     peft_config = PeftConfig.from_pretrained(adapter_dir)
     base = meta_model(peft_config.base_model_name_or_path, trust_remote_code)
     # Embedding rows the run added are saved with the adapter: size the meta model like the saved tensors.
-    with safe_open(os.path.join(adapter_dir, ADAPTER_WEIGHTS), framework="pt") as f:
-        # Full embedding rows: `embed_tokens.weight`, or `embed_tokens.token_adapter.base_layer.weight` with trainable
-        # tokens (never a LoRA matrix or a trainable-tokens delta).
-        saved_rows = [f.get_slice(k).get_shape()[0] for k in f.keys()
-                      if "embed_tokens" in k and k.endswith(".weight") and ".lora_" not in k and "_delta" not in k]
-    if saved_rows and saved_rows[0] != base.get_input_embeddings().weight.shape[0]:
-        base.resize_token_embeddings(saved_rows[0], mean_resizing=False)
+    saved_rows = saved_embedding_rows(adapter_dir, embedding_leaf_name(base))
+    if saved_rows is not None and saved_rows != base.get_input_embeddings().weight.shape[0]:
+        base.resize_token_embeddings(saved_rows, mean_resizing=False)
     peft_config.inference_mode = False
     with torch.device("meta"):
         model = get_peft_model(base, peft_config)
-    state = get_peft_model_state_dict(model, save_embedding_layers=bool(saved_rows))
+    state = get_peft_model_state_dict(model, save_embedding_layers=saved_rows is not None)
     return {k: tuple(v.shape) for k, v in state.items()}
 
 

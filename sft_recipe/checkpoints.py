@@ -19,10 +19,10 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
 def mark_complete(checkpoint_dir: str | os.PathLike, global_step: int) -> None:
-    path = Path(checkpoint_dir) / COMPLETE_MARKER
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"global_step": global_step, "time": time.time()}))
-    os.replace(tmp, path)  # atomic: the marker is either absent or whole
+    from .state_io import write_atomically
+
+    marker = json.dumps({"global_step": global_step, "time": time.time()})
+    write_atomically(Path(checkpoint_dir) / COMPLETE_MARKER, lambda tmp: tmp.write_text(marker))
 
 
 def is_complete(checkpoint_dir: str | os.PathLike) -> bool:

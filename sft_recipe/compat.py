@@ -32,6 +32,11 @@ def deepspeed_requested() -> bool:
     return _env_flag("ACCELERATE_USE_DEEPSPEED")
 
 
+def requested_fsdp_version() -> str | None:
+    """"1" or "2" when the launcher asked for FSDP (accelerate exports FSDP_VERSION; 1 when absent), else None."""
+    return os.environ.get("FSDP_VERSION", "1") if fsdp_requested() else None
+
+
 def fsdp_on_cpu_requested() -> bool:
     return fsdp_requested() and _env_flag("ACCELERATE_USE_CPU")
 

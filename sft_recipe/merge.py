@@ -28,13 +28,15 @@ from pathlib import Path
 
 import torch
 
-ADAPTER_CONFIG = "adapter_config.json"
+from .adapter import ADAPTER_CONFIG, embedding_leaf_name, saved_embedding_rows
+from .model import DTYPES as ALL_DTYPES
+from .report import RUN_FACTS  # written by train.py next to the adapter
+
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-RUN_FACTS = "run_facts.json"  # written by train.py next to the adapter (sft_recipe/report.py)
 MERGE_INFO = "merge_info.json"
 COMMAND = "python merge_adapter.py --adapter_dir <training output_dir> --output_dir <merged model dir>"
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: dtype for name, dtype in ALL_DTYPES.items() if dtype.is_floating_point}
 # Allowed max |merged - (base+adapter)| logits, as a fraction of max(1, max |logit|). Merging rounds W + B@A once to
 # the target dtype while the reference adds the LoRA path at run time, so the two differ by a few rounding steps of
 # that dtype. Measured on the tiny Llama: fp32 ~5e-7 (7e-6 with a deliberately huge random adapter over 96 tokens),
@@ -275,27 +277,6 @@ class MergeResult:
                 f"tokens (tolerance {c['tolerance']:.3g}; the adapter itself moves them by {c['adapter_effect']:.3g})")
 
 
-def _saved_embedding_rows(adapter_dir: Path, embedding_name: str) -> int | None:
-    """Rows of the full embedding matrix saved in the adapter (a resized vocab saves it), else None."""
-    from safetensors import safe_open
-
-    path = adapter_dir / ADAPTER_WEIGHT_FILES[0]
-    if not path.is_file():
-        return None
-    with safe_open(str(path), framework="pt") as f:
-        for key in f.keys():
-            # e.g. base_model.model.model.embed_tokens.weight (save_embedding_layers) or ...embed_tokens.weight
-            # under modules_to_save; trainable-token deltas (token_adapter.*) hold only the trained rows.
-            if key.endswith(f"{embedding_name}.weight") and "token_adapter" not in key:
-                return f.get_slice(key).get_shape()[0]
-    return None
-
-
-def _embedding_module_name(model) -> str:
-    embedding = model.get_input_embeddings()
-    return next(name for name, module in model.named_modules() if module is embedding)
-
-
 def _check_ids(tokenizer, base_rows: int, rows: int, peft_config) -> torch.Tensor:
     """A short prompt in the saved tokenizer's chat format, plus added tokens and trainable-token rows, so resized and
     trained embedding rows are compared too. Only ids below `rows` (the merged vocabulary) are used."""
@@ -385,7 +366,7 @@ def run_merge(plan: MergePlan, log=print) -> MergeResult:
     base_rows = base.get_input_embeddings().weight.shape[0]
     # The adapter's saved embedding (written when training resized the vocab) fixes the row count, or it would not
     # load; otherwise grow to exactly len(tokenizer) as training did (sft_recipe.model.fit_embeddings_to_tokenizer).
-    saved_rows = _saved_embedding_rows(plan.adapter_dir, _embedding_module_name(base))
+    saved_rows = saved_embedding_rows(plan.adapter_dir, embedding_leaf_name(base))
     rows = saved_rows if saved_rows is not None else max(base_rows, len(tokenizer))
     if rows != base_rows:
         base.resize_token_embeddings(rows, mean_resizing=False)

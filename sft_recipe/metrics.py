@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import time
 from dataclasses import dataclass
 
@@ -91,7 +90,9 @@ def flops_model(model, args) -> FlopsModel:
 def peak_memory_gib() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+    from .report import peak_rss_mib
+
+    return peak_rss_mib() / 1024
 
 
 class ThroughputCallback(TrainerCallback):

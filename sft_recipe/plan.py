@@ -185,19 +185,18 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
     extra_vocab: rows the run adds to the embeddings (chat-template tokens), counted in embeddings and output head.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .model import meta_model
 
     where, note = resolve_model_config_dir(model_name_or_path)
     try:
-        config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
+        model = meta_model(where, trust_remote_code)
     except Exception as e:  # offline Hub id, missing folder, custom code not trusted
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError([
             f"--model_name_or_path {model_name_or_path}: its config could not be read ({first}). Fix: pass a local "
             "folder holding config.json (the planner never needs weights), e.g. configs/models/llama-2-70b for "
             "Llama-2-70B, or log in / go online for a Hub id."]) from None
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     if extra_vocab:
         model.resize_token_embeddings(model.get_input_embeddings().weight.shape[0] + extra_vocab, mean_resizing=False)
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
@@ -217,6 +216,7 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
     root_linears = tuple(Linear(n.rsplit(".", 1)[-1], m.in_features, m.out_features)
                          for n, m in linears if id(m.weight) not in in_layers)
     quantizable = [m for _, m in linears if m is not output]
+    config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads

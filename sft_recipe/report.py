@@ -97,7 +97,7 @@ def _rss_kinds_mib() -> tuple[float, float]:
     return values["RssAnon:"], values["RssFile:"]
 
 
-def _peak_rss_mib() -> float:
+def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
@@ -153,7 +153,7 @@ class RunFacts(TrainerCallback):
             losses=[h["loss"] for h in state.log_history if "loss" in h],
             eval_losses=[h["eval_loss"] for h in state.log_history if "eval_loss" in h],
         )
-        peaks = torch.tensor([_peak_rss_mib(), _model_state_mib(self.trainer.model_wrapped, self.trainer.optimizer)],
+        peaks = torch.tensor([peak_rss_mib(), _model_state_mib(self.trainer.model_wrapped, self.trainer.optimizer)],
                              dtype=torch.float64, device=accelerator.device)
         gathered = accelerator.gather(peaks).reshape(-1, 2)
         self.facts["peak_rss_mib_per_rank"] = [round(float(x), 1) for x in gathered[:, 0]]

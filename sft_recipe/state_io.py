@@ -38,7 +38,8 @@ def rng_state_file(checkpoint_dir: str | os.PathLike, process_index: int, world_
     return Path(checkpoint_dir) / name
 
 
-def _write_atomically(path: Path, write) -> None:
+def write_atomically(path: Path, write) -> None:
+    """`write(tmp)` writes a sibling temporary file, which then replaces `path` in one step: never half-written."""
     tmp = path.with_name(f".{path.name}.writing-{os.getpid()}")
     write(tmp)
     os.replace(tmp, path)
@@ -62,7 +63,7 @@ def save_rng_state(path: str | os.PathLike) -> None:
                "numpy_cached_gaussian": float(cached_gaussian)}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"scalars": json.dumps(scalars)}))
+    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"scalars": json.dumps(scalars)}))
 
 
 def load_rng_state(path: str | os.PathLike) -> None:
@@ -99,7 +100,7 @@ def _plain(value):
 
 def save_scheduler(scheduler, path: str | os.PathLike) -> None:
     state = _plain(scheduler.state_dict())
-    _write_atomically(Path(path), lambda tmp: tmp.write_text(json.dumps(state, indent=1)))
+    write_atomically(Path(path), lambda tmp: tmp.write_text(json.dumps(state, indent=1)))
 
 
 def load_scheduler(scheduler, path: str | os.PathLike) -> None:
@@ -141,7 +142,7 @@ def save_optimizer(optimizer, path: str | os.PathLike) -> None:
     for param_id, param_state in state_dict["state"].items():
         _flatten(f"state.{param_id}", param_state, tensors, scalars)
     metadata = {"param_groups": json.dumps(_plain(state_dict["param_groups"])), "scalars": json.dumps(scalars)}
-    _write_atomically(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    write_atomically(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def load_optimizer(optimizer, path: str | os.PathLike) -> None:

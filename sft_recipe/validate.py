@@ -35,7 +35,7 @@ def _model_problems(m: ModelArguments, t) -> list[str]:
             problems.append(f"--{flag} '{value}' is not a dtype; use one of {sorted(DTYPES)}.")
     if m.bnb_4bit_compute_dtype == "uint8" and m.use_4bit_quantization:
         problems.append("--bnb_4bit_compute_dtype uint8: computation needs a float dtype, e.g. bfloat16.")
-    if m.use_4bit_quantization and compat.fsdp_requested() and os.environ.get("FSDP_VERSION", "1") == "1" and \
+    if m.use_4bit_quantization and compat.requested_fsdp_version() == "1" and \
             m.bnb_4bit_quant_storage_dtype == "float32":
         problems.append("--bnb_4bit_quant_storage_dtype float32 under FSDP1: TRL casts the LoRA weights of a quantized "
                         "model to bf16, and FSDP1 then multiplies bf16 by float32 (\"expected m1 and m2 to have the "
@@ -74,7 +74,7 @@ BNB_8BIT_OPTIMIZERS = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "page
 def _adapter_variant_problems(m: ModelArguments, t) -> list[str]:
     """DoRA, modules_to_save, trainable new tokens, 8-bit optimizers: where each works on this stack."""
     problems = []
-    fsdp_version = os.environ.get("FSDP_VERSION", "1") if compat.fsdp_requested() else None
+    fsdp_version = compat.requested_fsdp_version()
     extras = [f for f in ("use_dora", "train_new_tokens") if getattr(m, f)]
     extras += ["lora_modules_to_save"] if m.lora_modules_to_save.strip() else []
     if extras and not m.use_peft_lora:
@@ -255,7 +255,7 @@ def _training_problems(m: ModelArguments, d: DataTrainingArguments, r: RecipeArg
     if str(t.eval_strategy).split(".")[-1].lower() != "no" and not has_test_split:
         problems.append(f"--eval_strategy {str(t.eval_strategy).split('.')[-1].lower()} needs a test split, but "
                         f"--splits is '{d.splits}'. Fix: --splits train,test or --eval_strategy no.")
-    fsdp1_on_cpu = compat.fsdp_on_cpu_requested() and os.environ.get("FSDP_VERSION", "1") == "1"
+    fsdp1_on_cpu = compat.fsdp_on_cpu_requested() and compat.requested_fsdp_version() == "1"
     if fsdp1_on_cpu and t.bf16 and t.gradient_checkpointing and not m.use_reentrant:
         problems.append("FSDP1 on CPU with --bf16 True and --gradient_checkpointing True --use_reentrant False fails "
                         "in backward (recomputed activations come back bf16 where fp32 was saved). Fix: "

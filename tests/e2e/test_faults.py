@@ -57,7 +57,8 @@ def _wait_for_training(log, steps: int, timeout_s: float = 180) -> None:
         if log.read().count("'loss'") >= steps:
             return
         time.sleep(0.1)
-    raise AssertionError("training never started")
+    log.seek(0)
+    raise AssertionError("training never started:\n" + log.read()[-4000:])
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,13 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import psutil
 import torch
 from safetensors.torch import load_file
 
 from tests.conftest import REPO, _bin_dir, _free_port, launch_env, launch_train
+from tests.e2e.test_faults import _wait_for_training
 from tests.e2e.test_parity import RELATIVE_TOLERANCE
 from tests.test_slurm import JOB_ID, slurm_env, write_shims
 
@@ -89,17 +89,6 @@ def _step_processes(script: subprocess.Popen) -> list[psutil.Process]:
     return procs
 
 
-def _wait_for_losses(log, count: int, timeout_s: float = 180) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        log.seek(0)
-        if log.read().count("'loss'") >= count:
-            return
-        time.sleep(0.2)
-    log.seek(0)
-    raise AssertionError("training never started:\n" + log.read()[-4000:])
-
-
 def test_slurm_script_preempted_by_usr1_requeues_then_resumes(tiny, tmp_path):
     write_shims(tmp_path / "bin", accelerate=False)  # fake srun/scontrol, the real launcher
     cpu_flags = ["--bf16", "False", "--use_flash_attn", "False", "--push_to_hub", "False", "--max_steps", "40",
@@ -119,7 +108,7 @@ def test_slurm_script_preempted_by_usr1_requeues_then_resumes(tiny, tmp_path):
     script = subprocess.Popen(["bash", str(REPO / "run_peft_slurm.sh"), *cpu_flags], cwd=tmp_path, env=env_for(),
                               stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait_for_losses(log, 2)
+        _wait_for_training(log, 2)
         step = _step_processes(script)
         assert len(step) >= 4, "two launchers and two ranks"
         for proc in step:
