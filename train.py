@@ -45,8 +45,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import set_seed
 
+    from sft_recipe import data_report
     from sft_recipe.adapter import save_final_adapter
-    from sft_recipe.data import dataset_flag_notes, load_splits, prepare_for_trl
+    from sft_recipe.data import dataset_flag_notes, prepare, read_splits
     from sft_recipe.metrics import attach_throughput
     from sft_recipe.model import added_token_ids, load_model, load_tokenizer, lora_config, untrained_token_note
     from sft_recipe.preemption import PREEMPTED_FILE, PreemptionCallback
@@ -57,11 +58,18 @@ def main(argv: list[str] | None = None) -> None:
 
     # 2. Tokenizer (it carries the chat template the data needs) and data.
     tokenizer = load_tokenizer(model_args, training_args.trust_remote_code)
-    datasets = prepare_for_trl(load_splits(data_args), data_args, training_args.dataset_text_field, tokenizer,
-                               assistant_only_loss=training_args.assistant_only_loss)
-    for note in dataset_flag_notes(data_args, "messages" in datasets["train"].column_names):
+    data = prepare(read_splits(data_args), data_args, training_args.dataset_text_field, tokenizer,
+                   assistant_only_loss=training_args.assistant_only_loss)
+    for note in data.notes:  # the format each split was recognised as, and what TRL is given
+        logger.info(note)
+    for note in dataset_flag_notes(data_args, data.formats["train"] != "text"):
         logger.warning(note)
 
+    if data_args.preview_examples:  # show what is trained, loss-carrying tokens marked, then exit
+        print_preview_and_exit(data, tokenizer, training_args, data_args.preview_examples)
+    report = data_report.measure(data, tokenizer, training_args)
+    data_report.publish(report, training_args.output_dir)  # one block in the log + output_dir/data_report.json
+    datasets = data.datasets
     # 3. Model, sized to the tokenizer; SFTTrainer wraps it with the LoRA config and FSDP.
     model = load_model(model_args, training_args, tokenizer)
     new_token_ids = added_token_ids(model_args, tokenizer, training_args.trust_remote_code)
@@ -79,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         verify_adapter=recipe_args.verify_adapter,
     )
     throughput = attach_throughput(trainer, recipe_args.peak_tflops_per_device)  # tokens/s, MFU, peak memory
+    data_report.confirm(report, trainer.train_dataset, training_args.output_dir)  # the trainer's own counts
     facts, preemption = RunFacts(trainer), PreemptionCallback(trainer)
     trainer.add_callback(facts)
     trainer.add_callback(preemption)
@@ -114,6 +123,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def print_memory_plan_and_exit(model_args, data_args, recipe_args, training_args) -> None:
     import torch
+def print_preview_and_exit(data, tokenizer, training_args, count: int) -> None:
+    from sft_recipe.data_report import preview
+
+    if os.environ.get("RANK", "0") == "0":
+        print(preview(data, tokenizer, training_args, count), flush=True)
+    raise SystemExit(0)
+
+
 
     from sft_recipe.plan import plan_memory
 

@@ -109,6 +109,32 @@ class RecipeArguments:
     verify_adapter: bool = field(
         default=True,
         metadata={"help": "After saving, check the adapter holds every LoRA tensor with the right shape and that "
+    dataset_format: str = field(
+        default="auto",
+        metadata={"help": "auto|text|messages|prompt_completion|sharegpt|alpaca. auto recognises the format from the "
+                          "columns (a note says which); name one when the columns fit several.",
+                  "choices": ["auto", "text", "messages", "prompt_completion", "sharegpt", "alpaca"]},
+    )
+    dataset_column_map: str = field(
+        default="",
+        metadata={"help": "Rename columns before the format is recognised, e.g. `dialog=conversations` or "
+                          "`question=prompt,answer=completion`."},
+    )
+    dataset_role_map: str = field(
+        default="",
+        metadata={"help": "Map role names onto system/user/assistant/tool, e.g. `human=user,bot=assistant` "
+                          "(ShareGPT's human/gpt are mapped already)."},
+    )
+    drop_bad_rows: bool = field(
+        default=False,
+        metadata={"help": "Drop rows that fail the data checks (the count dropped is reported) instead of "
+                          "stopping with the list of problems."},
+    )
+    preview_examples: int = field(
+        default=0,
+        metadata={"help": "Print this many training examples as the model sees them, loss-carrying tokens marked, "
+                          "then exit before any weight is loaded."},
+    )
                           "lora_B moved. A failed check stops the run with a non-zero exit."},
     )
     overwrite_output_dir: bool = field(

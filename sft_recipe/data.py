@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .args import ConfigError, DataTrainingArguments
+from .data_checks import scan_json_lines
 
 logger = logging.getLogger(__name__)
 
@@ -84,84 +87,101 @@ def locate_splits(data_args: DataTrainingArguments) -> tuple[dict[str, tuple[str
     return sources, problems
 
 
-def _read(source: tuple[str, str], split: str):
+@dataclass
+class Origin:
+    """Where a run of rows of a role's dataset came from, so that a bad row is named by its file and line."""
+
+    label: str  # a file path, or "<dataset> split 'train'"
+    start: int  # index of its first row in the role's dataset
+    rows: int
+    path: str | None = None  # a JSON-lines file: rows are named by line number
+    lines: list[int] | None = None  # the line of each row; read from `path` when first needed
+
+    def name(self, k: int) -> str:
+        if self.path is None:
+            return f"{self.label} row {k + 1}"
+        if self.lines is None:
+            self.lines = scan_json_lines(self.path)[0]
+        return f"{self.label} line {self.lines[k]}"
+
+
+@dataclass
+class LoadedSplits:
+    datasets: object  # DatasetDict keyed 'train' / 'test'
+    origins: dict[str, list[Origin]] = field(default_factory=dict)
+    bad_lines: dict[str, list[str]] = field(default_factory=dict)  # malformed JSON lines, per role
+
+    def where(self, role: str):
+        def name(i: int) -> str:
+            for origin in self.origins.get(role, []):
+                if origin.start <= i < origin.start + origin.rows:
+                    return origin.name(i - origin.start)
+            return f"split '{role}' row {i + 1}"
+        return name
+
+
+def _read(source: tuple[str, str], split: str, origin: Origin) -> tuple[object, list[str]]:
+    """(dataset, malformed-line problems). A JSON-lines file with malformed lines is read without them, so that
+    every other row can still be checked and all problems reported at once."""
     from datasets import load_dataset, load_from_disk
 
     kind, where = source
     if kind == "disk":
-        return load_from_disk(where)
+        return load_from_disk(where), []
     if kind == "disk_dict":
-        return load_from_disk(where)[split]
+        return load_from_disk(where)[split], []
     if kind == "hub":
-        return load_dataset(where, split=split)
-    return load_dataset(kind, data_files={split: where}, split=split)
+        return load_dataset(where, split=split), []
+    try:
+        return load_dataset(kind, data_files={split: where}, split=split), []
+    except Exception:
+        if not where.endswith(".jsonl"):
+            raise
+        lines, bad = scan_json_lines(where)
+        if not bad:
+            raise
+    with tempfile.TemporaryDirectory() as tmp:  # the good lines only; `datasets` keeps its own cached copy
+        clean = Path(tmp, Path(where).name)
+        with open(where, encoding="utf-8") as src:
+            keep = set(lines)
+            clean.write_text("".join(line for n, line in enumerate(src, start=1) if n in keep), encoding="utf-8")
+        dataset = load_dataset(kind, data_files={split: str(clean)}, split=split)
+    origin.lines = lines
+    return dataset, [f"{where} line {n}: {why}" for n, why in bad]
 
 
 def load_splits(data_args: DataTrainingArguments):
     """Read every requested split into a DatasetDict keyed 'train' / 'test' (upstream's keys)."""
+    return read_splits(data_args).datasets
+
+
+def read_splits(data_args: DataTrainingArguments) -> LoadedSplits:
+    """load_splits, keeping where each row came from (file and line) for the row checks."""
     from datasets import DatasetDict, concatenate_datasets
 
     sources, problems = locate_splits(data_args)
     if problems:
         raise ConfigError(problems)
+    loaded = LoadedSplits(DatasetDict())
     by_role: dict[str, list] = {}
     for split, source in sources.items():
+        role = split_role(split)
+        start = sum(len(d) for d in by_role.get(role, []))
+        is_file = source[0] not in ("disk", "disk_dict", "hub")
+        origin = Origin(source[1] if is_file else f"{data_args.dataset_name} split '{split}'", start, 0,
+                        path=source[1] if is_file and source[1].endswith(".jsonl") else None)
         try:
-            dataset = _read(source, split)
+            dataset, bad = _read(source, split, origin)
         except Exception as e:  # offline Hub, missing split in a Hub dataset, unreadable file
             raise ConfigError([f"--dataset_name {data_args.dataset_name} split '{split}': could not be read "
                                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})."]) from None
-        by_role.setdefault(split_role(split), []).append(dataset)
-    return DatasetDict({role: parts[0] if len(parts) == 1 else concatenate_datasets(parts)
-                        for role, parts in by_role.items()})
-
-
-def column_problems(dataset, split: str, text_field: str, chat_template: str | None) -> list[str]:
-    columns = dataset.column_names
-    if MESSAGES in columns:
-        if not chat_template:
-            return [f"split '{split}' has `messages` rows but the tokenizer has no chat template. Fix: "
-                    "--chat_template_format chatml (or zephyr)."]
-        return []
-    if text_field not in columns:
-        return [f"split '{split}': neither a `messages` column nor the text column `{text_field}` "
-                f"(--dataset_text_field). Columns: {columns}."]
-    if len(dataset) == 0:
-        return [f"split '{split}' is empty."]
-    return []
-
-
-def assistant_only_loss_problems(datasets, chat_template: str | None) -> list[str]:
-    """TRL masks prompts from the loss using {% generation %} markers in the chat template of `messages` data."""
-    problems = []
-    if any(MESSAGES not in ds.column_names for ds in datasets.values()):
-        problems.append("--assistant_only_loss True needs `messages` rows (it masks everything but the assistant "
-                        "turns); this data is plain text. Fix: use chat data, or drop the flag.")
-    elif "generation" not in (chat_template or ""):
-        problems.append("--assistant_only_loss True: the tokenizer's chat template has no {% generation %} markers, "
-                        "so TRL cannot tell assistant tokens apart. Fix: --chat_template_format chatml (or zephyr), "
-                        "whose templates have them.")
-    return problems
-
-
-def prepare_for_trl(datasets, data_args: DataTrainingArguments, text_field: str, tokenizer,
-                    assistant_only_loss: bool = False):
-    """Keep only what TRL needs: the `messages` column, or the text column (BOS prepended if asked)."""
-    problems = [p for role, ds in datasets.items()
-                for p in column_problems(ds, role, text_field, tokenizer.chat_template)]
-    if assistant_only_loss and not problems:
-        problems += assistant_only_loss_problems(datasets, tokenizer.chat_template)
-    if problems:
-        raise ConfigError(problems)
-    out = {}
-    for role, ds in datasets.items():
-        keep = MESSAGES if MESSAGES in ds.column_names else text_field
-        ds = ds.remove_columns([c for c in ds.column_names if c != keep])
-        if keep != MESSAGES and data_args.add_special_tokens and tokenizer.bos_token:
-            bos = tokenizer.bos_token
-            ds = ds.map(lambda row: {keep: row[keep] if row[keep].startswith(bos) else bos + row[keep]})
-        out[role] = ds
-    return out
+        origin.rows = len(dataset)
+        by_role.setdefault(role, []).append(dataset)
+        loaded.origins.setdefault(role, []).append(origin)
+        loaded.bad_lines.setdefault(role, []).extend(bad)
+    loaded.datasets = DatasetDict({role: parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+                                   for role, parts in by_role.items()})
+    return loaded
 
 
 def dataset_flag_notes(data_args: DataTrainingArguments, is_conversational: bool) -> list[str]:
@@ -174,3 +194,92 @@ def dataset_flag_notes(data_args: DataTrainingArguments, is_conversational: bool
         notes.append("--add_special_tokens True has no effect on `messages` data: the chat template decides the "
                      "special tokens.")
     return notes
+
+
+@dataclass
+class PreparedData:
+    """The splits in TRL's shape, and what was done to get there (for the log and the data report)."""
+
+    datasets: dict  # role -> Dataset
+    formats: dict[str, str]  # role -> format name (data_formats.FORMATS)
+    notes: list[str]  # one line per split: the format found and how it was converted
+    rows_read: dict[str, int]
+    rows_dropped: dict[str, int]  # bad rows (and malformed lines) dropped by --drop_bad_rows
+
+
+def _assistant_only_loss_problems(formats: dict[str, str], conversational: dict[str, bool],
+                                  chat_template: str | None) -> list[str]:
+    """TRL masks prompts from the loss using {% generation %} markers in the chat template of conversational rows."""
+    if not all(conversational.values()):
+        plain = sorted({formats[role] for role, conv in conversational.items() if not conv})
+        return [f"--assistant_only_loss True needs `messages` rows or another conversational format (it masks "
+                f"everything but the assistant turns); this data is {', '.join(plain)} (not conversational). Fix: use "
+                "chat data, or drop the flag (prompt/completion rows are trained on the completion only anyway)."]
+    if "generation" not in (chat_template or ""):
+        return ["--assistant_only_loss True: the tokenizer's chat template has no {% generation %} markers, so TRL "
+                "cannot tell assistant tokens apart. Fix: --chat_template_format chatml (or zephyr), whose templates "
+                "have them."]
+    return []
+
+
+def prepare(loaded: LoadedSplits, data_args: DataTrainingArguments, text_field: str, tokenizer,
+            assistant_only_loss: bool = False) -> PreparedData:
+    """Detect each split's format, check every row (listing all problems, or dropping bad rows when asked), then
+    convert to TRL's shape. Needs the tokenizer (for its chat template), never the model."""
+    from .data_checks import check_split, raise_problems
+    from .data_formats import convert, detect_format, is_conversational, rename_columns, role_map
+
+    problems: list[str] = []
+    datasets, formats, notes, roles, conversational = {}, {}, [], {}, {}
+    for role, ds in loaded.datasets.items():
+        try:
+            ds = rename_columns(ds, role, data_args)
+            formats[role], note = detect_format(ds.column_names, role, text_field, data_args.dataset_format)
+        except ConfigError as e:
+            problems += e.problems
+            continue
+        notes.append(note)
+        if len(ds) == 0:
+            problems.append(f"split '{role}' is empty.")
+            continue
+        datasets[role] = ds
+        conversational[role] = is_conversational(formats[role], ds[0])
+        if conversational[role] and not tokenizer.chat_template:
+            problems.append(f"split '{role}' has {formats[role]} rows (`messages` rows for the chat template) but the "
+                            "tokenizer has no chat template. Fix: --chat_template_format chatml (or zephyr).")
+        roles[role], role_problems = role_map(data_args, formats[role])
+        problems += [p for p in role_problems if p not in problems]
+    if assistant_only_loss and not problems:
+        problems += _assistant_only_loss_problems(formats, conversational, tokenizer.chat_template)
+    if problems:
+        raise ConfigError(problems)
+
+    rows_read = {role: len(ds) + len(loaded.bad_lines.get(role, [])) for role, ds in datasets.items()}
+    checks = {role: check_split(ds, formats[role], loaded.where(role), roles[role], text_field, tokenizer,
+                                assistant_only_loss, conversational[role]) for role, ds in datasets.items()}
+    row_problems = {role: loaded.bad_lines.get(role, []) + check.problems for role, check in checks.items()}
+    if any(row_problems.values()) and not data_args.drop_bad_rows:
+        raise_problems([p for ps in row_problems.values() for p in ps],
+                       sum(len(ps) for ps in row_problems.values()), sum(rows_read.values()),
+                       set().union(*(check.unknown_roles for check in checks.values())))
+    dropped = {}
+    for role, ds in datasets.items():
+        bad = set(checks[role].bad_rows)
+        dropped[role] = len(row_problems[role])
+        if bad:
+            ds = ds.select([i for i in range(len(ds)) if i not in bad])
+        if dropped[role]:
+            if len(ds) == 0:
+                raise ConfigError([f"split '{role}': every row is bad (first: {row_problems[role][0]}); nothing "
+                                   "is left to train on after --drop_bad_rows."])
+            logger.warning(f"--drop_bad_rows: dropped {dropped[role]} of {rows_read[role]} rows of split '{role}' "
+                           f"(first: {row_problems[role][0]}).")
+        bos = tokenizer.bos_token if formats[role] == "text" and data_args.add_special_tokens else None
+        datasets[role] = convert(ds, formats[role], roles[role], text_field, bos)
+    return PreparedData(datasets, formats, notes, rows_read, dropped)
+
+
+def prepare_for_trl(datasets, data_args: DataTrainingArguments, text_field: str, tokenizer,
+                    assistant_only_loss: bool = False):
+    """prepare() for splits read without their origins (rows are then named by split and row number)."""
+    return prepare(LoadedSplits(datasets), data_args, text_field, tokenizer, assistant_only_loss).datasets
