@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> None:
 
     set_seed(training_args.seed)
 
-    # 2. Tokenizer (it carries the chat template the data needs) and data.
+    # 2. Tokenizer (it carries the chat template the data needs) and data: format recognised, every row checked,
+    #    converted for TRL, measured as TRL will tokenize it -- all before any weight is loaded.
     tokenizer = load_tokenizer(model_args, training_args.trust_remote_code)
     data = prepare(read_splits(data_args), data_args, training_args.dataset_text_field, tokenizer,
                    assistant_only_loss=training_args.assistant_only_loss)
@@ -64,12 +65,12 @@ def main(argv: list[str] | None = None) -> None:
         logger.info(note)
     for note in dataset_flag_notes(data_args, data.formats["train"] != "text"):
         logger.warning(note)
-
     if data_args.preview_examples:  # show what is trained, loss-carrying tokens marked, then exit
         print_preview_and_exit(data, tokenizer, training_args, data_args.preview_examples)
     report = data_report.measure(data, tokenizer, training_args)
     data_report.publish(report, training_args.output_dir)  # one block in the log + output_dir/data_report.json
     datasets = data.datasets
+
     # 3. Model, sized to the tokenizer; SFTTrainer wraps it with the LoRA config and FSDP.
     model = load_model(model_args, training_args, tokenizer)
     new_token_ids = added_token_ids(model_args, tokenizer, training_args.trust_remote_code)
@@ -86,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
         peft_config=lora_config(model_args, new_token_ids),
         verify_adapter=recipe_args.verify_adapter,
     )
-    throughput = attach_throughput(trainer, recipe_args.peak_tflops_per_device)  # tokens/s, MFU, peak memory
     data_report.confirm(report, trainer.train_dataset, training_args.output_dir)  # the trainer's own counts
+    throughput = attach_throughput(trainer, recipe_args.peak_tflops_per_device)  # tokens/s, MFU, peak memory
     facts, preemption = RunFacts(trainer), PreemptionCallback(trainer)
     trainer.add_callback(facts)
     trainer.add_callback(preemption)
@@ -121,8 +122,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Push deferred. Upload later with: hf upload {repo} {training_args.output_dir}{private}", flush=True)
 
 
-def print_memory_plan_and_exit(model_args, data_args, recipe_args, training_args) -> None:
-    import torch
 def print_preview_and_exit(data, tokenizer, training_args, count: int) -> None:
     from sft_recipe.data_report import preview
 
@@ -131,6 +130,8 @@ def print_preview_and_exit(data, tokenizer, training_args, count: int) -> None:
     raise SystemExit(0)
 
 
+def print_memory_plan_and_exit(model_args, data_args, recipe_args, training_args) -> None:
+    import torch
 
     from sft_recipe.plan import plan_memory
 
