@@ -99,16 +99,6 @@ class DataTrainingArguments:
                           "whose chat template decides."},
     )
     splits: str = field(default="train,test", metadata={"help": "Comma-separated split names to load."})
-
-
-@dataclass
-class RecipeArguments:
-    """What this recipe adds beyond upstream's flags."""
-
-    config: str | None = field(default=None, metadata={"help": "Recipe YAML whose keys are any of these flags."})
-    verify_adapter: bool = field(
-        default=True,
-        metadata={"help": "After saving, check the adapter holds every LoRA tensor with the right shape and that "
     dataset_format: str = field(
         default="auto",
         metadata={"help": "auto|text|messages|prompt_completion|sharegpt|alpaca. auto recognises the format from the "
@@ -135,6 +125,16 @@ class RecipeArguments:
         metadata={"help": "Print this many training examples as the model sees them, loss-carrying tokens marked, "
                           "then exit before any weight is loaded."},
     )
+
+
+@dataclass
+class RecipeArguments:
+    """What this recipe adds beyond upstream's flags."""
+
+    config: str | None = field(default=None, metadata={"help": "Recipe YAML whose keys are any of these flags."})
+    verify_adapter: bool = field(
+        default=True,
+        metadata={"help": "After saving, check the adapter holds every LoRA tensor with the right shape and that "
                           "lora_B moved. A failed check stops the run with a non-zero exit."},
     )
     overwrite_output_dir: bool = field(
