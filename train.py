@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     facts.write(training_args.output_dir, model_name_or_path=model_args.model_name_or_path,
                 dataset_name=data_args.dataset_name,
                 quantization="4bit" if model_args.use_4bit_quantization else
-                "8bit" if model_args.use_8bit_quantization else None)
+                "8bit" if model_args.use_8bit_quantization else None,
+                final_save=getattr(trainer, "last_save_cost", None))
     throughput.write_summary(training_args.output_dir, trainer.state, config={
         "model": asdict(model_args), "data": asdict(data_args), "recipe": asdict(recipe_args),
         "training": training_args.to_dict()})  # run_summary.json + loss_curve.png

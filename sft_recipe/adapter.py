@@ -133,17 +133,30 @@ def check_adapter(adapter_dir: str, *, trained: bool = True, trust_remote_code: 
 
 
 def save_final_adapter(trainer, output_dir: str, *, verify: bool = True, trust_remote_code: bool = False) -> None:
-    """Collective: every rank calls it. Gather the full adapter, write it atomically to `output_dir`, check it.
+    """Collective: every rank calls it. Gather the adapter's tensors, write them atomically to `output_dir`, check.
 
     The files are written to a temporary folder inside `output_dir`, checked there, then moved into place, so a crash
     or a failed check never replaces a previous good adapter with a broken one. A failed check leaves the files in
     `output_dir/adapter-FAILED-CHECK/` for inspection and raises.
     """
+    from .gather import gather_adapter_state
+    from .report import RssWatch
+
     accelerator = trainer.accelerator
-    state_dict = compat.gather_full_state_dict(accelerator, trainer.model_wrapped)
-    if accelerator.is_main_process:
-        _write_and_check(trainer, state_dict, output_dir, verify, trust_remote_code)
-    accelerator.wait_for_everyone()
+    with RssWatch() as watch:
+        # Only the tensors the adapter holds (keys chosen before wrapping), never the frozen base: see gather.py.
+        state_dict = gather_adapter_state(accelerator, trainer.model_wrapped, trainer.adapter_keys)
+        adapter_mib = sum(t.numel() * t.element_size() for t in state_dict.values()) / 2**20
+        if accelerator.is_main_process:
+            _write_and_check(trainer, state_dict, output_dir, verify, trust_remote_code)
+        del state_dict
+        accelerator.wait_for_everyone()
+    # The cost of this save on every rank, for the run record (the last save of a run is the final one).
+    per_rank = torch.tensor([watch.seconds, watch.added_mib], dtype=torch.float64, device=accelerator.device)
+    per_rank = accelerator.gather(per_rank).reshape(-1, 2) if accelerator.num_processes > 1 else per_rank[None]
+    trainer.last_save_cost = {"seconds": round(float(per_rank[:, 0].max()), 3),
+                              "rss_anon_added_mib_per_rank": [round(float(x), 1) for x in per_rank[:, 1]],
+                              "adapter_mib": round(adapter_mib, 3)}
 
 
 def _count_lora_keys(state_dict: dict) -> int:

@@ -97,6 +97,46 @@ def _rss_kinds_mib() -> tuple[float, float]:
     return values["RssAnon:"], values["RssFile:"]
 
 
+class RssWatch:
+    """Peak private (anonymous) resident memory of this process while a block runs, above its level at entry.
+
+    A thread samples /proc/self/status every `interval_s`. What it can and cannot see: glibc reuses freed blocks
+    without growing RSS, so a block that allocates into memory freed earlier reads as adding nothing. Launch with
+    `MALLOC_MMAP_THRESHOLD_=65536` (the tests do) and every tensor above 64 KiB is its own mmap, returned to the
+    system when freed: RSS then follows live tensor bytes, the quantity that stands for GPU memory in a GPU run.
+    """
+
+    def __init__(self, interval_s: float = 0.002):
+        self.interval_s = interval_s
+        self.start_mib = self.peak_mib = 0.0
+        self.seconds = 0.0
+
+    def __enter__(self):
+        import threading
+
+        self.start_mib = self.peak_mib = _rss_kinds_mib()[0]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._started = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak_mib = max(self.peak_mib, _rss_kinds_mib()[0])
+            self._stop.wait(self.interval_s)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_mib = max(self.peak_mib, _rss_kinds_mib()[0])
+        self.seconds = time.perf_counter() - self._started
+
+    @property
+    def added_mib(self) -> float:
+        return self.peak_mib - self.start_mib
+
+
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 

@@ -19,6 +19,7 @@ from trl import SFTTrainer
 from . import compat
 from .adapter import save_final_adapter
 from .checkpoints import mark_complete
+from .gather import adapter_state_keys
 from .state_io import (OPTIMIZER_FILE, SCHEDULER_FILE, load_optimizer, load_rng_state, load_scheduler,
                        rng_state_file, save_optimizer, save_rng_state, save_scheduler, unsafe_dcp_metadata)
 
@@ -36,6 +37,8 @@ class RecipeSFTTrainer(SFTTrainer):
         compat.trainable_tokens_lm_head_bias()
         super().__init__(*args, **kwargs)
         self.verify_adapter = verify_adapter
+        # Chosen now, before FSDP wraps the model: which tensors every adapter save gathers (gather.py).
+        self.adapter_keys = adapter_state_keys(self.model)
 
     def _writes_adapter_files(self) -> bool:
         from peft import PeftModel

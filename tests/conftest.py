@@ -51,9 +51,15 @@ def run_command(cmd: list[str], output_dir: Path, env: dict | None = None, timeo
 def launch_train(config: str, output_dir: Path, args: list[str], env: dict | None = None,
                  launcher_args: tuple[str, ...] = ()) -> RunResult:
     """`accelerate launch --config_file configs/<config> [launcher_args] train.py ...` through the real launcher."""
+    return launch_script(config, "train.py", ["--output_dir", str(output_dir), *args], output_dir, env,
+                         launcher_args)
+
+
+def launch_script(config: str, script: str, args: list[str], output_dir: Path, env: dict | None = None,
+                  launcher_args: tuple[str, ...] = ()) -> RunResult:
+    """`accelerate launch --config_file configs/<config> [launcher_args] <script> ...` through the real launcher."""
     cmd = [os.path.join(_bin_dir(), "accelerate"), "launch", "--config_file", str(REPO / "configs" / config),
-           "--main_process_port", str(_free_port()), *launcher_args, "train.py", "--output_dir", str(output_dir),
-           *args]
+           "--main_process_port", str(_free_port()), *launcher_args, script, *args]
     return run_command(cmd, output_dir, env)
 
 
@@ -71,3 +77,42 @@ def tiny(tmp_path_factory):
     from sft_recipe.tiny import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+def tiny_conversation_as(fmt: str, messages: list[dict], tokenizer=None) -> dict:
+    """One tiny conversation (system?, user, assistant) as a row of another dataset format."""
+    *context, answer = messages
+    if fmt == "messages":
+        return {"messages": messages}
+    if fmt == "sharegpt":
+        names = {"user": "human", "assistant": "gpt", "system": "system"}
+        return {"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in messages]}
+    if fmt == "alpaca":
+        system = [m["content"] for m in context if m["role"] == "system"]
+        return {"instruction": context[-1]["content"], "input": "", "output": answer["content"],
+                **({"system": system[0]} if system else {})}
+    if fmt == "prompt_completion_chat":
+        return {"prompt": context, "completion": [answer]}
+    if fmt == "prompt_completion":  # standard: the prompt as the chat template renders it, up to the answer
+        return {"prompt": tokenizer.apply_chat_template(context, add_generation_prompt=True, tokenize=False),
+                "completion": answer["content"]}
+    raise ValueError(fmt)
+
+
+@pytest.fixture(scope="session")
+def format_datasets(tiny, tmp_path_factory):
+    """fmt -> folder with train.jsonl/test.jsonl of the tiny conversations in that format (built once)."""
+    from transformers import AutoTokenizer
+
+    from sft_recipe.tiny import load_conversations
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny.model_dir))
+    root = tmp_path_factory.mktemp("formats")
+    folders = {}
+    for fmt in ("messages", "sharegpt", "alpaca", "prompt_completion", "prompt_completion_chat"):
+        folders[fmt] = root / fmt
+        folders[fmt].mkdir()
+        for split in ("train", "test"):
+            rows = [tiny_conversation_as(fmt, m, tokenizer) for m in load_conversations(tiny, split)]
+            (folders[fmt] / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folders
