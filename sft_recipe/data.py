@@ -6,9 +6,9 @@ Rows with a text column are used as they are.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,8 +121,9 @@ class LoadedSplits:
 
 
 def _read(source: tuple[str, str], split: str, origin: Origin) -> tuple[object, list[str]]:
-    """(dataset, malformed-line problems). A JSON-lines file with malformed lines is read without them, so that
-    every other row can still be checked and all problems reported at once."""
+    """(dataset, malformed-line problems). A JSON-lines file that `datasets` cannot read (malformed lines, values
+    of changing types) is read line by line instead, so that every row can still be checked and all problems
+    reported at once."""
     from datasets import load_dataset, load_from_disk
 
     kind, where = source
@@ -137,17 +138,22 @@ def _read(source: tuple[str, str], split: str, origin: Origin) -> tuple[object, 
     except Exception:
         if not where.endswith(".jsonl"):
             raise
-        lines, bad = scan_json_lines(where)
-        if not bad:
-            raise
-    with tempfile.TemporaryDirectory() as tmp:  # the good lines only; `datasets` keeps its own cached copy
-        clean = Path(tmp, Path(where).name)
-        with open(where, encoding="utf-8") as src:
-            keep = set(lines)
-            clean.write_text("".join(line for n, line in enumerate(src, start=1) if n in keep), encoding="utf-8")
-        dataset = load_dataset(kind, data_files={split: str(clean)}, split=split)
+    return _read_json_lines(where, origin)
+
+
+def _read_json_lines(path: str, origin: Origin) -> tuple[object, list[str]]:
+    """The rows of the lines that parse, every column typed `Json` (any value, as written), and the others' problems."""
+    from datasets import Dataset, Features
+    from datasets.features import Json
+
+    lines, bad = scan_json_lines(path)
+    keep = set(lines)
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for number, line in enumerate(f, start=1) if number in keep]
+    columns = list(dict.fromkeys(key for row in rows for key in row))
     origin.lines = lines
-    return dataset, [f"{where} line {n}: {why}" for n, why in bad]
+    dataset = Dataset.from_list(rows, features=Features({c: Json() for c in columns}))
+    return dataset, [f"{path} line {n}: {why}" for n, why in bad]
 
 
 def load_splits(data_args: DataTrainingArguments):
@@ -227,9 +233,12 @@ def prepare(loaded: LoadedSplits, data_args: DataTrainingArguments, text_field: 
     """Detect each split's format, check every row (listing all problems, or dropping bad rows when asked), then
     convert to TRL's shape. Needs the tokenizer (for its chat template), never the model."""
     from .data_checks import check_split, raise_problems
-    from .data_formats import convert, detect_format, is_conversational, rename_columns, role_map
+    from .data_formats import convert, detect_format, is_conversational, parse_mapping, rename_columns, role_map
 
-    problems: list[str] = []
+    # The flags' own syntax first: a malformed map is one problem, not one per split.
+    problems = role_map(data_args, "messages")[1] + parse_mapping("dataset_column_map", data_args.dataset_column_map)[1]
+    if problems:
+        raise ConfigError(problems)
     datasets, formats, notes, roles, conversational = {}, {}, [], {}, {}
     for role, ds in loaded.datasets.items():
         try:
@@ -247,8 +256,7 @@ def prepare(loaded: LoadedSplits, data_args: DataTrainingArguments, text_field: 
         if conversational[role] and not tokenizer.chat_template:
             problems.append(f"split '{role}' has {formats[role]} rows (`messages` rows for the chat template) but the "
                             "tokenizer has no chat template. Fix: --chat_template_format chatml (or zephyr).")
-        roles[role], role_problems = role_map(data_args, formats[role])
-        problems += [p for p in role_problems if p not in problems]
+        roles[role] = role_map(data_args, formats[role])[0]
     if assistant_only_loss and not problems:
         problems += _assistant_only_loss_problems(formats, conversational, tokenizer.chat_template)
     if problems:

@@ -262,6 +262,9 @@ def preview(prepared, tokenizer, training_args, count: int, role: str = "train")
                     text += f"\n✂ -- cut at max_length {training_args.max_length}: the text {side} this is not " \
                             "trained --\n"
                 at = k
+        dropped = "; TRL drops this example: no loss-carrying token survives the cut" \
+            if not any(trained) and not training_args.packing else ""
         blocks.append(f"=== {role} example {n} of {len(dataset)} ({prepared.formats[role]}): {len(ids)} tokens, "
-                      f"{sum(trained)} trained with loss (between {LOSS_MARK[0]} and {LOSS_MARK[1]}) ===\n{text}")
+                      f"{sum(trained)} trained with loss (between {LOSS_MARK[0]} and {LOSS_MARK[1]}){dropped} ===\n"
+                      f"{text}")
     return "\n\n".join(blocks)
