@@ -65,9 +65,9 @@ def main(argv: list[str] | None = None) -> None:
         logger.info(note)
     for note in dataset_flag_notes(data_args, data.formats["train"] != "text"):
         logger.warning(note)
-    if data_args.preview_examples:  # show what is trained, loss-carrying tokens marked, then exit
-        print_preview_and_exit(data, tokenizer, training_args, data_args.preview_examples)
     report = data_report.measure(data, tokenizer, training_args)
+    if data_args.preview_examples:  # show what is trained (loss-carrying tokens marked) and the report, then exit
+        print_preview_and_exit(data, report, tokenizer, training_args, data_args.preview_examples)
     data_report.publish(report, training_args.output_dir)  # one block in the log + output_dir/data_report.json
     datasets = data.datasets
 
@@ -123,11 +123,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Push deferred. Upload later with: hf upload {repo} {training_args.output_dir}{private}", flush=True)
 
 
-def print_preview_and_exit(data, tokenizer, training_args, count: int) -> None:
+def print_preview_and_exit(data, report, tokenizer, training_args, count: int) -> None:
     from sft_recipe.data_report import preview
 
     if os.environ.get("RANK", "0") == "0":
-        print(preview(data, tokenizer, training_args, count), flush=True)
+        print(preview(data, tokenizer, training_args, count), report.render(), sep="\n\n", flush=True)
     raise SystemExit(0)
 
 

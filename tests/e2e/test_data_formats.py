@@ -1,0 +1,127 @@
+"""Each data format through the real train.py: recognised with no flag, trained end to end on the tiny model with
+the adapter verified, and what was trained recorded (data_report.json, the trainer's own counts). One run under
+FSDP2 through `accelerate launch`. A bad file and the preview stop before any weight is loaded: the model folder
+they are given has no weights at all."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+from safetensors import safe_open
+
+from tests.conftest import REPO, launch_train, run_command
+
+FLAGS = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "all-linear",
+         "--max_steps", "2", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--report_to", "none",
+         "--save_strategy", "no", "--eval_strategy", "no", "--max_seq_len", "128", "--seed", "3"]
+# format folder -> (format detected, loss on the answers only)
+CASES = {"sharegpt": ("sharegpt", False), "alpaca": ("alpaca", True),
+         "prompt_completion": ("prompt_completion", True), "prompt_completion_chat": ("prompt_completion", True)}
+
+
+def _train(tiny, dataset_dir, out, *extra):
+    cmd = [sys.executable, str(REPO / "train.py"), "--model_name_or_path", str(tiny.model_dir), "--dataset_name",
+           str(dataset_dir), "--output_dir", str(out), *FLAGS, *extra]
+    return run_command(cmd, out)
+
+
+def _answer_tokens(tiny) -> int:
+    """Tokens of every train answer and its EOS, counted from the answers alone: what answer-only loss trains."""
+    from transformers import AutoTokenizer
+
+    from sft_recipe.tiny import load_conversations
+
+    tok = AutoTokenizer.from_pretrained(str(tiny.model_dir))
+    return sum(len(tok(c[-1]["content"] + tok.eos_token, add_special_tokens=False)["input_ids"])
+               for c in load_conversations(tiny, "train"))
+
+
+def _assert_trained(result, fmt: str, answers_only: bool, answer_tokens: int):
+    assert result.returncode == 0, result.output[-4000:]
+    assert f"format '{fmt}' detected" in result.output and "data report" in result.output
+    assert "adapter check OK" in result.output
+    with safe_open(str(result.output_dir / "adapter_model.safetensors"), "pt") as f:
+        assert sum("lora_" in k for k in f.keys()) == 28
+    report = json.loads((result.output_dir / "data_report.json").read_text())
+    train = report["splits"]["train"]
+    assert train["format"] == fmt and train["rows"] == 240 and train["rows_dropped"] == 0
+    check = report["trainer_check"]  # counted on the trainer's own prepared dataset
+    assert check["matches_prediction"] and check["loss_tokens"] == train["loss_tokens"]
+    if answers_only:
+        assert train["loss_tokens"] == answer_tokens and 0.1 < train["loss_token_share"] < 0.6
+    else:
+        assert train["loss_token_share"] == 1.0
+    return report
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_format_trains_end_to_end(tiny, format_datasets, tmp_path, case):
+    fmt, answers_only = CASES[case]
+    result = _train(tiny, format_datasets[case], tmp_path / case, "--packing", "True")
+    report = _assert_trained(result, fmt, answers_only, _answer_tokens(tiny))
+    assert report["packing"] and 0.5 < report["splits"]["train"]["packing_efficiency"] <= 1
+
+
+def test_alpaca_under_fsdp2_trains_the_answers_only(tiny, format_datasets, tmp_path):
+    out = tmp_path / "fsdp2"
+    result = launch_train("cpu/fsdp2_config.yaml", out, [
+        "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(format_datasets["alpaca"]), *FLAGS,
+        "--packing", "False"])
+    _assert_trained(result, "alpaca", True, _answer_tokens(tiny))
+    facts = result.facts
+    assert facts["fsdp_version"] == 2 and facts["num_processes"] == 2 and facts["dtensor_params"] > 0  # real FSDP2
+    assert result.output.count("data report") == 1  # one block, from the main process
+
+
+@pytest.fixture
+def weightless_model(tiny, tmp_path):
+    """The tiny model's folder without its weights: a run that gets past the data step would fail loading them."""
+    folder = tmp_path / "no-weights"
+    shutil.copytree(tiny.model_dir, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    return folder
+
+
+def test_bad_rows_stop_before_the_model_loads_with_exit_2(tiny, weightless_model, tmp_path):
+    rows = [json.loads(line) for line in (tiny.jsonl_dir / "train.jsonl").read_text().splitlines()[:4]]
+    rows[2] = {"messages": []}
+    rows[3]["messages"][-1]["content"] = None
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"messages": [\n')
+    rows = [{"messages": [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "hello"}]}]
+    (data / "test.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    out = tmp_path / "out"
+    result = run_command([sys.executable, str(REPO / "train.py"), "--model_name_or_path", str(weightless_model),
+                          "--dataset_name", str(data), "--output_dir", str(out), *FLAGS], out)
+    assert result.returncode == 2, result.output[-3000:]
+    assert "Traceback" not in result.output
+    train = data / "train.jsonl"
+    assert f"{train} line 3: `messages` is an empty conversation" in result.output
+    assert f"{train} line 4: `messages` message " in result.output and "has `content` null" in result.output
+    assert f"{train} line 5: not valid JSON" in result.output
+    assert f"{data / 'test.jsonl'} line 1: `messages` message 1 has the unknown role 'human'" in result.output
+    assert "4 bad row(s) of 6. Fix: map the unknown roles with --dataset_role_map gpt=assistant,human=user" in \
+        result.output
+    assert not (out / "data_report.json").exists()
+
+
+def test_preview_shows_the_trained_tokens_and_warns_about_a_short_max_length(tiny, format_datasets, weightless_model,
+                                                                              tmp_path):
+    out = tmp_path / "preview"
+    result = run_command([sys.executable, str(REPO / "train.py"), "--model_name_or_path", str(weightless_model),
+                          "--dataset_name", str(format_datasets["alpaca"]), "--output_dir", str(out),
+                          "--preview_examples", "2", "--max_seq_len", "8"], out)
+    assert result.returncode == 0, result.output[-3000:]
+    assert result.output.count("=== train example") == 2 and "cut at max_length 8" in result.output
+    assert "WARNING: 100% of the train examples are longer than max_length 8" in result.output
+    assert not (out / "data_report.json").exists()  # a preview writes nothing
+    wide = run_command([sys.executable, str(REPO / "train.py"), "--model_name_or_path", str(weightless_model),
+                        "--dataset_name", str(format_datasets["alpaca"]), "--output_dir", str(out),
+                        "--preview_examples", "1"], out)
+    from sft_recipe.tiny import load_conversations
+
+    answer = load_conversations(tiny, "train")[0][-1]["content"]
+    assert wide.returncode == 0 and f"⟦{answer}</s>⟧" in wide.output and "WARNING: " not in wide.output
