@@ -232,7 +232,7 @@ def prepare(loaded: LoadedSplits, data_args: DataTrainingArguments, text_field: 
             assistant_only_loss: bool = False) -> PreparedData:
     """Detect each split's format, check every row (listing all problems, or dropping bad rows when asked), then
     convert to TRL's shape. Needs the tokenizer (for its chat template), never the model."""
-    from .data_checks import check_split, raise_problems
+    from .data_checks import by_position, check_split, raise_problems
     from .data_formats import convert, detect_format, is_conversational, parse_mapping, rename_columns, role_map
 
     # The flags' own syntax first: a malformed map is one problem, not one per split.
@@ -265,7 +265,8 @@ def prepare(loaded: LoadedSplits, data_args: DataTrainingArguments, text_field: 
     rows_read = {role: len(ds) + len(loaded.bad_lines.get(role, [])) for role, ds in datasets.items()}
     checks = {role: check_split(ds, formats[role], loaded.where(role), roles[role], text_field, tokenizer,
                                 assistant_only_loss, conversational[role]) for role, ds in datasets.items()}
-    row_problems = {role: loaded.bad_lines.get(role, []) + check.problems for role, check in checks.items()}
+    row_problems = {role: by_position(loaded.bad_lines.get(role, []) + check.problems)
+                    for role, check in checks.items()}
     if any(row_problems.values()) and not data_args.drop_bad_rows:
         raise_problems([p for ps in row_problems.values() for p in ps],
                        sum(len(ps) for ps in row_problems.values()), sum(rows_read.values()),

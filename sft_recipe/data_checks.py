@@ -9,6 +9,7 @@ the tokenizer's chat template, so a template that raises or renders nothing is c
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -73,9 +74,9 @@ def _turn_problems(turns, column: str, role_key: str, content_key: str, roles: d
         if role is None:
             problems.append(f"`{column}` message {n} has no `{role_key}`")
         elif roles.get(role) not in KNOWN_ROLES:
+            known = "" if any("unknown role" in p for p in problems) else f" (known: {', '.join(sorted(roles))})"
             unknown.add(str(role))
-            problems.append(f"`{column}` message {n} has the unknown role {role!r} (known: "
-                            f"{', '.join(sorted(roles))})")
+            problems.append(f"`{column}` message {n} has the unknown role {role!r}{known}")
         if not isinstance(content, str):
             problems.append(f"`{column}` message {n} has `{content_key}` {_kind(content)}; it must be a string"
                             if content_key in turn or "content" in turn else
@@ -153,6 +154,14 @@ def check_split(dataset, fmt: str, where: Callable[[int], str], roles: dict[str,
             result.bad_rows.append(i)
             result.problems.append(f"{where(i)}: {'; '.join(problems)}")
     return result
+
+
+def by_position(problems: list[str]) -> list[str]:
+    """Problems of one split in file order (malformed lines are found before the rows are read)."""
+    def position(problem: str) -> int:
+        found = re.search(r" (?:line|row) (\d+):", problem)
+        return int(found.group(1)) if found else 0
+    return sorted(problems, key=position)
 
 
 def role_fix(unknown: set[str]) -> str:
