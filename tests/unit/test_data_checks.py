@@ -114,7 +114,8 @@ def test_alpaca_and_prompt_completion_rows(tmp_path, tokenizer):
     mixed = [{"prompt": "Q: hot?", "completion": " cold"}, {"prompt": _turns(("user", "x")), "completion": "y"},
              {"prompt": "Q", "completion": ""}]
     problems = _problems(_write(tmp_path / "pc", mixed), tokenizer)
-    assert "line 2: `prompt` is a list" in problems[0] and "prompt/completion are strings (its first row)" in problems[0]
+    assert "line 2: `prompt` is a list" in problems[0]
+    assert "prompt/completion are strings (its first row)" in problems[0]
     assert problems[1].endswith("line 3: `completion` is empty: nothing to train on")
 
 
@@ -130,7 +131,8 @@ def test_rows_of_save_to_disk_splits_are_named_by_split_and_row(tmp_path, tokeni
     Dataset.from_list([GOOD, {"messages": _turns(("user", "a"), ("assistant", None))}]).save_to_disk(
         str(tmp_path / "train"))
     problems = _problems(tmp_path, tokenizer)
-    assert problems[0] == f"{tmp_path} split 'train' row 2: `messages` message 2 has `content` null; it must be a string"
+    assert problems[0] == (f"{tmp_path} split 'train' row 2: `messages` message 2 has `content` null; "
+                           "it must be a string")
 
 
 def test_drop_bad_rows_reports_the_count(tmp_path, tokenizer, caplog):
