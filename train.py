@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     from sft_recipe import data_report
     from sft_recipe.adapter import save_final_adapter
     from sft_recipe.data import dataset_flag_notes, prepare, read_splits
+    from sft_recipe.gptq import checkpoint_quant_method  # a GPTQ base is recorded as quantization "gptq"
     from sft_recipe.metrics import attach_throughput
     from sft_recipe.model import added_token_ids, load_model, load_tokenizer, lora_config, untrained_token_note
     from sft_recipe.preemption import PREEMPTED_FILE, PreemptionCallback
@@ -102,11 +103,12 @@ def main(argv: list[str] | None = None) -> None:
     # 6. Save the FULL_STATE_DICT adapter (all ranks take part) and verify it before it replaces anything.
     save_final_adapter(trainer, training_args.output_dir, verify=recipe_args.verify_adapter,
                        trust_remote_code=training_args.trust_remote_code)
-    # quantization: merge_adapter.py reads it to merge a QLoRA adapter into the bf16 base, never the 4-bit one.
+    # quantization: merge_adapter.py reads it to merge a QLoRA/GPTQ adapter into the bf16 base, never the 4-bit one.
     facts.write(training_args.output_dir, model_name_or_path=model_args.model_name_or_path,
                 dataset_name=data_args.dataset_name,
                 quantization="4bit" if model_args.use_4bit_quantization else
-                "8bit" if model_args.use_8bit_quantization else None,
+                "8bit" if model_args.use_8bit_quantization else
+                checkpoint_quant_method(model_args.model_name_or_path, training_args.trust_remote_code),
                 final_save=getattr(trainer, "last_save_cost", None))
     throughput.write_summary(training_args.output_dir, trainer.state, config={
         "model": asdict(model_args), "data": asdict(data_args), "recipe": asdict(recipe_args),

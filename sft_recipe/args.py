@@ -76,7 +76,17 @@ class ModelArguments:
     use_8bit_quantization: bool = field(default=False)
     use_4bit_quantization: bool = field(default=False)
     use_reentrant: bool = field(default=False, metadata={"help": "Reentrant activation checkpointing."})
-    use_unsloth: bool = field(default=False, metadata={"help": "Not supported here (single-GPU only upstream)."})
+    use_unsloth: bool = field(
+        default=False,
+        metadata={"help": "Upstream's one-GPU Unsloth path (run_unsloth_peft.sh). Refused before any model load: "
+                          "without the unsloth package or a CUDA GPU it cannot run, and this recipe trains through "
+                          "PEFT + TRL instead. Alternative: drop the flag (bash run_peft.sh is the same QLoRA run)."},
+    )
+    gptq_backend: str = field(
+        default="auto_trainable",
+        metadata={"help": "GPT-QModel kernel for a GPTQ base (run_peft_fsdp_gptq.sh). auto_trainable picks one "
+                          "that supports backward; `auto` may pick an inference-only kernel, which is refused."},
+    )
     # trust_remote_code is SFTConfig's own flag (default False); upstream hard-codes it on, we never do.
 
 
@@ -177,7 +187,18 @@ def build_parser():
     parser = HfArgumentParser(
         (ModelArguments, DataTrainingArguments, RecipeArguments, _sft_config_class()), allow_abbrev=False
     )
+    show_aliases_in_help(parser)
     return parser
+
+
+def show_aliases_in_help(parser: argparse.ArgumentParser) -> None:
+    """List each guide name (--max_seq_len) as an option string of the flag it stands for, so `--help` shows it:
+    a user grepping the help for the guide's flag must find it. Parsing still goes through _rewrite_aliases."""
+    for alias, target in ALIASES.items():
+        action = next(a for a in parser._actions if a.dest == target)
+        action.option_strings.append(f"--{alias}")
+        parser._option_string_actions[f"--{alias}"] = action
+        action.help = f"{action.help or ''} `--{alias}` is the upstream guide's name for this flag.".strip()
 
 
 def known_option_names(parser: argparse.ArgumentParser) -> set[str]:

@@ -220,6 +220,10 @@ def plan_merge(adapter_dir: str | os.PathLike, output_dir: str | os.PathLike, *,
                   else f"base_model_name_or_path in {ADAPTER_CONFIG}")
         raise MergeError(f"{source} = {base!r}: its config cannot be loaded ({type(e).__name__}: {e}). Fix: pass "
                          f"--base_model_name_or_path with a local folder or Hub id of the unquantized base.") from e
+    from .gptq import gptq_merge_refusal
+
+    if refusal := gptq_merge_refusal(base, config):
+        raise MergeError(refusal)
     if getattr(config, "quantization_config", None):
         raise MergeError(f"base model {base!r} is a quantized checkpoint (its config has quantization_config); "
                          f"LoRA deltas cannot be added to quantized weights without re-quantizing them. Fix: pass "

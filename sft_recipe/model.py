@@ -123,9 +123,15 @@ def load_model(model_args: ModelArguments, training_args, tokenizer):
     """Load the base model in the right dtype/quantization/attention, then fit its embeddings to the tokenizer."""
     from transformers import AutoModelForCausalLM
 
+    # quantization_config only when quantizing here: transformers 5.24 treats an explicit None as "load unquantized",
+    # so a pre-quantized (GPTQ) checkpoint would load as plain Linear layers with random weights, no error.
+    from .gptq import loading_kwargs
+
+    quantization = bnb_config(model_args)
     model = AutoModelForCausalLM.from_pretrained(
         model_args.model_name_or_path,
-        quantization_config=bnb_config(model_args),
+        **({"quantization_config": quantization} if quantization is not None else
+           loading_kwargs(model_args, training_args.trust_remote_code)),
         dtype=model_dtype(model_args),
         attn_implementation=attn_implementation(model_args),
         trust_remote_code=training_args.trust_remote_code,

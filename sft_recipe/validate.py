@@ -17,10 +17,10 @@ logger = logging.getLogger(__name__)
 
 
 def _model_problems(m: ModelArguments, t) -> list[str]:
-    problems = []
-    if m.use_unsloth:
-        problems.append("--use_unsloth True is not supported: upstream only runs unsloth on a single GPU, and this "
-                        "recipe is for FSDP. Fix: drop --use_unsloth.")
+    from .launch_checks import ddp_problems, unsloth_problems
+
+    problems = unsloth_problems(m)
+    problems += ddp_problems(m, t, compat.fsdp_requested(), compat.deepspeed_requested())
     if m.use_4bit_quantization and m.use_8bit_quantization:
         problems.append("--use_4bit_quantization and --use_8bit_quantization are both True: pick one (4-bit is the "
                         "QLoRA recipe).")
@@ -334,6 +334,9 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t)
             if ".tiny" in m.model_name_or_path else ""
         problems.append(f"--model_name_or_path {m.model_name_or_path}: no such folder.{hint}")
     if not any("--model_name_or_path" in p for p in problems):
+        from .gptq import gptq_problems
+
         problems += _lora_target_problems(m, t)
+        problems += gptq_problems(m, t, compat.requested_fsdp_version())
     if problems:
         raise ConfigError(problems)
