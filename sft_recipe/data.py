@@ -208,7 +208,7 @@ class PreparedData:
 
     datasets: dict  # role -> Dataset
     formats: dict[str, str]  # role -> format name (data_formats.FORMATS)
-    notes: list[str]  # one line per split: the format found and how it was converted
+    notes: list[str]  # the format found and how it was converted: one line for the splits that share it
     rows_read: dict[str, int]
     rows_dropped: dict[str, int]  # bad rows (and malformed lines) dropped by --drop_bad_rows
 
@@ -237,9 +237,12 @@ def prepare(loaded: LoadedSplits, data_args: DataTrainingArguments, text_field: 
 
     # The flags' own syntax first: a malformed map is one problem, not one per split.
     problems = role_map(data_args, "messages")[1] + parse_mapping("dataset_column_map", data_args.dataset_column_map)[1]
+    if data_args.preview_examples < 0:
+        problems.append(f"--preview_examples {data_args.preview_examples}: give a number of examples to show (e.g. 3), "
+                        "or 0 to train.")
     if problems:
         raise ConfigError(problems)
-    datasets, formats, notes, roles, conversational = {}, {}, [], {}, {}
+    datasets, formats, notes, roles, conversational = {}, {}, {}, {}, {}
     for role, ds in loaded.datasets.items():
         try:
             ds = rename_columns(ds, role, data_args)
@@ -247,7 +250,7 @@ def prepare(loaded: LoadedSplits, data_args: DataTrainingArguments, text_field: 
         except ConfigError as e:
             problems += e.problems
             continue
-        notes.append(note)
+        notes.setdefault(note, []).append(role)
         if len(ds) == 0:
             problems.append(f"split '{role}' is empty.")
             continue
@@ -285,7 +288,8 @@ def prepare(loaded: LoadedSplits, data_args: DataTrainingArguments, text_field: 
                            f"(first: {row_problems[role][0]}).")
         bos = tokenizer.bos_token if formats[role] == "text" and data_args.add_special_tokens else None
         datasets[role] = convert(ds, formats[role], roles[role], text_field, bos)
-    return PreparedData(datasets, formats, notes, rows_read, dropped)
+    lines = [f"data: {'split' if len(r) == 1 else 'splits'} {', '.join(r)}: {note}" for note, r in notes.items()]
+    return PreparedData(datasets, formats, lines, rows_read, dropped)
 
 
 def prepare_for_trl(datasets, data_args: DataTrainingArguments, text_field: str, tokenizer,

@@ -89,7 +89,7 @@ def rename_columns(dataset, split: str, data_args):
 
 
 def detect_format(columns: list[str], split: str, text_field: str, override: str = "auto") -> tuple[str, str]:
-    """(format name, one-line note saying how it was found and what TRL is given). Raises ConfigError."""
+    """(format name, a note saying how it was found and what TRL is given). Raises ConfigError."""
     structured = [name for name, f in FORMATS.items() if f.columns and all(c in columns for c in f.columns)]
     if override != "auto":
         required = FORMATS[override].columns or (text_field,)
@@ -98,7 +98,7 @@ def detect_format(columns: list[str], split: str, text_field: str, override: str
             raise ConfigError([f"--dataset_format {override}: split '{split}' has no column(s) {missing} "
                                f"(columns: {columns}). Fix: --dataset_column_map <yours>={missing[0]}, or another "
                                "--dataset_format."])
-        return override, f"split '{split}': format '{override}' (--dataset_format) -> {FORMATS[override].becomes}."
+        return override, f"format '{override}' (--dataset_format) -> {FORMATS[override].becomes}."
     if len(structured) > 1:
         raise ConfigError([f"split '{split}': the columns {columns} fit several formats ({', '.join(structured)}). "
                            f"Fix: --dataset_format {structured[0]} (or {', '.join(structured[1:])}), or drop the "
@@ -107,9 +107,9 @@ def detect_format(columns: list[str], split: str, text_field: str, override: str
         fmt = structured[0]
         ignored = f"; text column `{text_field}` ignored" if text_field in columns else ""
         found = "/".join(f"`{c}`" for c in FORMATS[fmt].columns)
-        return fmt, f"split '{split}': format '{fmt}' detected from {found}{ignored} -> {FORMATS[fmt].becomes}."
+        return fmt, f"format '{fmt}' detected from {found}{ignored} -> {FORMATS[fmt].becomes}."
     if text_field in columns:
-        return "text", (f"split '{split}': format 'text' detected from `{text_field}` (--dataset_text_field) -> "
+        return "text", (f"format 'text' detected from `{text_field}` (--dataset_text_field) -> "
                         f"{FORMATS['text'].becomes}.")
     raise ConfigError([f"split '{split}': neither a `messages` column nor the text column `{text_field}` "
                        "(--dataset_text_field), nor the columns of another known format (prompt/completion, "

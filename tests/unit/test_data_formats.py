@@ -194,3 +194,11 @@ def test_text_rows_unchanged_and_hub_style_splits_kept(tiny, tokenizer):
     assert data.datasets["train"].column_names == ["content"]
     plain = prepare_for_trl({"train": Dataset.from_list([{"content": "hello"}])}, data_args, "content", tokenizer)
     assert plain["train"]["content"] == ["hello"]
+
+
+def test_one_note_for_splits_of_one_format_and_a_negative_preview_refused(format_datasets, tokenizer):
+    data = _prepared(format_datasets["sharegpt"], tokenizer)
+    assert data.notes == ["data: splits train, test: format 'sharegpt' detected from `conversations` -> `messages` "
+                          "(from/value -> role/content, roles mapped): TRL applies the chat template."]
+    with pytest.raises(ConfigError, match=r"--preview_examples -1: give a number of examples"):
+        _prepared(format_datasets["sharegpt"], tokenizer, preview_examples=-1)
