@@ -145,14 +145,14 @@ def measure_split(tokenized, fmt: str, rows_read: int, rows_dropped: int, traini
             eos_share = float((labels[last][ends_in_eos] != IGNORE).mean())
     total = int(lengths.sum())
     over = int((lengths > limit).sum()) if limit else 0
+    cut = 0 if limit is None or splits_long else int((lengths - np.minimum(lengths, limit)).sum())
     return SplitReport(
         format=fmt, rows_read=rows_read, rows_dropped=rows_dropped, rows=len(lengths),
         tokens_min=int(lengths.min()) if len(lengths) else 0,
         tokens_median=float(np.median(lengths)) if len(lengths) else 0.0,
         tokens_max=int(lengths.max()) if len(lengths) else 0, tokens_total=total,
         examples_cut_share=over / len(lengths) if len(lengths) else 0.0,
-        tokens_cut_share=0.0 if splits_long or not total else float((lengths - np.minimum(lengths, limit or total))
-                                                                    .sum() / total),
+        tokens_cut_share=cut / total if total else 0.0,
         examples_left_without_loss=without_loss, tokens_trained=tokens_trained, loss_tokens=loss_tokens,
         loss_token_share=loss_tokens / tokens_trained if tokens_trained else 0.0,
         packed_rows=packed_rows, packing_efficiency=efficiency, eos_with_loss_share=eos_share)
