@@ -41,7 +41,7 @@ MISTAKES = {
     "bad choice": (["--chat_template_format", "llama3"], {}, "could not be parsed"),
     "bf16 and fp16 together": (["--bf16", "True", "--fp16", "True"], {"ACCELERATE_USE_CPU": "true"}, "fp16"),
     "bf16 without GPU": (["--bf16", "True"], {}, "--bf16 True: this machine has no GPU"),
-    "unsloth": (["--use_unsloth", "True"], {}, "--use_unsloth True is not supported"),
+    "unsloth": (["--use_unsloth", "True"], {}, "--use_unsloth True: the unsloth package is not installed"),
     "4-bit and 8-bit": (QLORA + ["--use_8bit_quantization", "True"], {}, "both True: pick one"),
     "quantized without LoRA": (["--use_4bit_quantization", "True"], {}, "add --use_peft_lora True"),
     "8-bit with FSDP": (["--use_peft_lora", "True", "--use_8bit_quantization", "True"], FSDP1_CPU,
