@@ -140,7 +140,7 @@ def save_final_adapter(trainer, output_dir: str, *, verify: bool = True, trust_r
     `output_dir/adapter-FAILED-CHECK/` for inspection and raises.
     """
     from .gather import gather_adapter_state
-    from .report import RssWatch
+    from .report import RssWatch, save_cost
 
     accelerator = trainer.accelerator
     with RssWatch() as watch:
@@ -152,11 +152,7 @@ def save_final_adapter(trainer, output_dir: str, *, verify: bool = True, trust_r
         del state_dict
         accelerator.wait_for_everyone()
     # The cost of this save on every rank, for the run record (the last save of a run is the final one).
-    per_rank = torch.tensor([watch.seconds, watch.added_mib], dtype=torch.float64, device=accelerator.device)
-    per_rank = accelerator.gather(per_rank).reshape(-1, 2) if accelerator.num_processes > 1 else per_rank[None]
-    trainer.last_save_cost = {"seconds": round(float(per_rank[:, 0].max()), 3),
-                              "rss_anon_added_mib_per_rank": [round(float(x), 1) for x in per_rank[:, 1]],
-                              "adapter_mib": round(adapter_mib, 3)}
+    trainer.last_save_cost = save_cost(accelerator, watch, adapter_mib=round(adapter_mib, 3))
 
 
 def _count_lora_keys(state_dict: dict) -> int:

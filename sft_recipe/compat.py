@@ -37,6 +37,16 @@ def requested_fsdp_version() -> str | None:
     return os.environ.get("FSDP_VERSION", "1") if fsdp_requested() else None
 
 
+def cpu_ram_efficient_loading_requested() -> bool:
+    """An FSDP launch whose config sets fsdp_cpu_ram_efficient_loading (accelerate exports it to every rank)."""
+    return fsdp_requested() and _env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
+
+
+def local_rank() -> int:
+    """This process's rank on its machine (0 when not launched by a distributed launcher)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def fsdp_on_cpu_requested() -> bool:
     return fsdp_requested() and _env_flag("ACCELERATE_USE_CPU")
 

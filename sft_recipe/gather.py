@@ -82,7 +82,8 @@ def _owning_unit(key: str, unit_names: list[str]) -> str:
     return owner
 
 
-def _gather_fsdp1(accelerator, wrapped_model, keys):
+def _fsdp1_units_by_owner(wrapped_model, keys):
+    """({clean unit name: FSDP unit}, {clean unit name: the wanted keys its subtree (not its sub-units) holds})."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     units = {compat.strip_wrapper_segments(name + ".").rstrip(".") if name else "": module
@@ -90,6 +91,42 @@ def _gather_fsdp1(accelerator, wrapped_model, keys):
     wanted_by_unit: dict[str, set[str]] = {}
     for key in keys:
         wanted_by_unit.setdefault(_owning_unit(key, list(units)), set()).add(key)
+    return units, wanted_by_unit
+
+
+def fsdp1_sharded_adapter_state(wrapped_model, keys: list[str]) -> dict | None:
+    """Collective: the SHARDED_STATE_DICT entries (ShardedTensors, full-model keys) of the adapter's tensors only,
+    for an FSDP1 checkpoint; None when the root unit owns one of them (a resized vocabulary's embedding rows),
+    where asking the root would shard-copy every weight anyway.
+
+    Why: accelerate's `save_fsdp_model(adapter_only=True)` picks the adapter out of `model.state_dict()`, which
+    under FSDP1 flat parameters unshards every unit and clones this rank's chunk of every frozen weight (measured:
+    +130 MiB on each rank per checkpoint for a 149 MiB model). Asking only the adapter's own units (PEFT's wrap
+    policy gives each LoRA layer its own unit) does the same work on the adapter alone; the DCP files have the
+    same keys, so accelerate's `load_fsdp_model` resumes from them unchanged.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    units, wanted_by_unit = _fsdp1_units_by_owner(wrapped_model, keys)
+    if "" in wanted_by_unit:
+        return None
+    out = {}
+    with FSDP.state_dict_type(wrapped_model, StateDictType.SHARDED_STATE_DICT):
+        for name, unit in units.items():  # named_modules order: the same on every rank
+            wanted = wanted_by_unit.get(name)
+            if wanted:
+                for local, value in unit.state_dict().items():
+                    key = f"{name}.{compat.strip_wrapper_segments(local)}"
+                    if key in wanted:
+                        out[key] = value
+    return out
+
+
+def _gather_fsdp1(accelerator, wrapped_model, keys):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    units, wanted_by_unit = _fsdp1_units_by_owner(wrapped_model, keys)
     # Offload only from a GPU: on a CPU compute device FSDP1 frees the storage it then reads (see compat).
     on_gpu = accelerator.device.type != "cpu"
     out = {}

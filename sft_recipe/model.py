@@ -123,6 +123,10 @@ def load_model(model_args: ModelArguments, training_args, tokenizer):
     """Load the base model in the right dtype/quantization/attention, then fit its embeddings to the tokenizer."""
     from transformers import AutoModelForCausalLM
 
+    if weights_arrive_from_rank0(model_args, training_args.trust_remote_code):
+        model = model_without_weights(model_args, training_args.trust_remote_code)
+        fit_embeddings_to_tokenizer(model, tokenizer)
+        return model
     # quantization_config only when quantizing here: transformers 5.24 treats an explicit None as "load unquantized",
     # so a pre-quantized (GPTQ) checkpoint would load as plain Linear layers with random weights, no error.
     from .gptq import loading_kwargs
@@ -138,6 +142,63 @@ def load_model(model_args: ModelArguments, training_args, tokenizer):
     )
     fit_embeddings_to_tokenizer(model, tokenizer)
     return model
+
+
+def weights_arrive_from_rank0(model_args: ModelArguments, trust_remote_code: bool = False) -> bool:
+    """Whether this rank should build the model without reading any weight: FSDP with cpu_ram_efficient_loading,
+    on a rank other than its machine's rank 0, and a model that is not quantized.
+
+    Why here: transformers 5.24's `from_pretrained` reads every weight on every rank even with the option on (it only
+    skips re-initialising them), so an 8-GPU machine held 8 host copies of the model while loading. accelerate then
+    keeps rank 0's weights and broadcasts them into the others' shards when it wraps the model (FSDP2:
+    `fsdp2_load_full_state_dict`; FSDP1: `sync_module_states` with a meta `param_init_fn`), so the other ranks only
+    need the architecture. Quantized models are excluded: each rank's 4-bit layers carry quantization state that is
+    computed from the weights while loading and is not part of what accelerate broadcasts.
+    """
+    from . import compat
+
+    if not compat.cpu_ram_efficient_loading_requested() or compat.local_rank() == 0:
+        return False
+    if model_args.use_4bit_quantization or model_args.use_8bit_quantization:
+        return False
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=trust_remote_code)
+    return getattr(config, "quantization_config", None) is None  # pre-quantized checkpoints (GPTQ) load as usual
+
+
+def model_without_weights(model_args: ModelArguments, trust_remote_code: bool = False):
+    """The model's architecture with parameters on the meta device, in the dtype and attention `load_model` uses.
+    Buffers stay real (`include_buffers=False`): non-persistent ones such as rotary frequencies are computed at
+    construction, are not in any checkpoint, and FSDP2's broadcast does not carry them."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=trust_remote_code)
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=model_dtype(model_args),
+                                                attn_implementation=attn_implementation(model_args),
+                                                trust_remote_code=trust_remote_code)
+
+
+def materialize_meta_parameters(model) -> int:
+    """Give every meta-device parameter (the model of `model_without_weights`, and the LoRA layers PEFT built on it)
+    uninitialised CPU storage; returns how many there were.
+
+    Why: accelerate's FSDP2 preparation hands the optimizer the new sharded parameters by matching `data_ptr()`,
+    and every meta tensor has data_ptr 0 -- with meta parameters the optimizer silently kept the old ones and this
+    rank stopped updating its shards (measured: losses drifted from the second step, exit code 0). `torch.empty`
+    storage is never written before accelerate replaces it with rank 0's weights, so its pages stay unresident:
+    host RAM is not spent. This is the state accelerate expects ("non-main ranks only have torch.empty").
+    """
+    count = 0
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.device.type == "meta":
+                empty = torch.empty_like(param, device="cpu")
+                module.register_parameter(name, torch.nn.Parameter(empty, requires_grad=param.requires_grad))
+                count += 1
+    return count
 
 
 def meta_model(model_name_or_path: str, trust_remote_code: bool = False):

@@ -59,10 +59,28 @@ def trainable_checksum(accelerator, model) -> int:
     return _all_ranks_sum(accelerator, _local_sums(model))[1]
 
 
+def live_tensor_mib(tensors) -> float:
+    """Bytes of the distinct storages behind `tensors`, meta tensors excluded (they hold no memory)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total / 2**20
+
+
+def unsharded_fsdp2_params(model) -> int:
+    """Parameters of an FSDP2 model that are not DTensor shards right now (0 when every unit is sharded)."""
+    return sum(type(p).__name__ != "DTensor" for p in model.parameters())
+
+
 def _model_state_mib(model, optimizer) -> float:
     """This rank's share of weights + gradients + optimizer state (shards under FSDP): the part of memory that
     sharding divides by N, measured directly rather than read off RSS (which also holds imports and activations)."""
-    seen, total = set(), 0
     tensors = []
     for p in model.parameters():
         local = _shard_of(p)
@@ -74,13 +92,7 @@ def _model_state_mib(model, optimizer) -> float:
         for state in optimizer.state.values():
             tensors += [t.to_local() if hasattr(t, "to_local") else t for t in state.values()
                         if isinstance(t, torch.Tensor)]
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total / 2**20
+    return live_tensor_mib(tensors)
 
 
 def _rss_kinds_mib() -> tuple[float, float]:
@@ -137,6 +149,14 @@ class RssWatch:
         return self.peak_mib - self.start_mib
 
 
+def save_cost(accelerator, watch: RssWatch, **extra) -> dict:
+    """Collective: a save's wall seconds (slowest rank) and the anonymous RSS it added on each rank."""
+    per_rank = torch.tensor([watch.seconds, watch.added_mib], dtype=torch.float64, device=accelerator.device)
+    per_rank = accelerator.gather(per_rank).reshape(-1, 2) if accelerator.num_processes > 1 else per_rank[None]
+    return {"seconds": round(float(per_rank[:, 0].max()), 3),
+            "rss_anon_added_mib_per_rank": [round(float(x), 1) for x in per_rank[:, 1]], **extra}
+
+
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
@@ -153,6 +173,11 @@ class RunFacts(TrainerCallback):
         # Weights read from safetensors stay file pages (mmapped, shared by every rank through the page cache) until
         # something copies them into private memory; cpu_ram_efficient_loading is about that private copy.
         self._rss_after_load_mib = _rss_kinds_mib()
+        # Live weight bytes this rank held after loading (meta tensors hold none): with cpu_ram_efficient_loading
+        # only local rank 0 reads weights, the others build on the meta device and receive their shards when wrapped.
+        # RSS cannot show it on CPU (glibc keeps freed blocks, mmapped files count per process); this can.
+        self._weight_mib_after_load = trainer.weight_mib_after_load if hasattr(trainer, "weight_mib_after_load") \
+            else live_tensor_mib([*trainer.model.parameters(), *trainer.model.buffers()])
         self._start = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -174,10 +199,15 @@ class RunFacts(TrainerCallback):
             self.facts["fsdp1_flat_params"] = {"trainable": sum(p.requires_grad for p in flat),
                                                "frozen": sum(not p.requires_grad for p in flat)}
         self.facts["checksums_before"] = _all_ranks_sum(accelerator, _local_sums(wrapped))
-        loaded = torch.tensor(self._rss_after_load_mib, dtype=torch.float64, device=accelerator.device)
-        loaded = accelerator.gather(loaded).reshape(-1, 2)
+        loaded = torch.tensor([*self._rss_after_load_mib, self._weight_mib_after_load], dtype=torch.float64,
+                              device=accelerator.device)
+        loaded = accelerator.gather(loaded).reshape(-1, 3)
         self.facts["rss_anon_after_load_mib_per_rank"] = [round(float(x), 1) for x in loaded[:, 0]]
         self.facts["rss_file_after_load_mib_per_rank"] = [round(float(x), 1) for x in loaded[:, 1]]
+        self.facts["weight_mib_after_load_per_rank"] = [round(float(x), 2) for x in loaded[:, 2]]
+        self.facts["rss_anon_after_wrap_mib_per_rank"] = [
+            round(float(x), 1) for x in accelerator.gather(torch.tensor([_rss_kinds_mib()[0]], dtype=torch.float64,
+                                                                        device=accelerator.device))]
         self._start = time.time()
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -193,6 +223,13 @@ class RunFacts(TrainerCallback):
             losses=[h["loss"] for h in state.log_history if "loss" in h],
             eval_losses=[h["eval_loss"] for h in state.log_history if "eval_loss" in h],
         )
+        if self.facts.get("fsdp_version") == 2:  # what evaluations left unsharded, and what is unsharded now
+            self.facts["fsdp2_unsharded_params"] = {
+                "after_evaluation": getattr(getattr(self.trainer, "reshard_after_evaluation", None),
+                                            "unsharded_params_seen", None),
+                "at_train_end": unsharded_fsdp2_params(self.trainer.model_wrapped)}
+        if getattr(self.trainer, "checkpoint_save_costs", None):
+            self.facts["checkpoint_saves"] = self.trainer.checkpoint_save_costs
         peaks = torch.tensor([peak_rss_mib(), _model_state_mib(self.trainer.model_wrapped, self.trainer.optimizer)],
                              dtype=torch.float64, device=accelerator.device)
         gathered = accelerator.gather(peaks).reshape(-1, 2)

@@ -14,12 +14,15 @@ import logging
 import os
 
 import transformers.trainer as transformers_trainer  # module attributes: keeps compat's patches of save/load_fsdp_model
+from transformers import TrainerCallback
 from trl import SFTTrainer
 
 from . import compat
 from .adapter import save_final_adapter
 from .checkpoints import mark_complete
-from .gather import adapter_state_keys
+from .gather import adapter_state_keys, fsdp1_sharded_adapter_state
+from .model import materialize_meta_parameters
+from .report import RssWatch, live_tensor_mib, save_cost, unsharded_fsdp2_params
 from .state_io import (OPTIMIZER_FILE, SCHEDULER_FILE, load_optimizer, load_rng_state, load_scheduler,
                        rng_state_file, save_optimizer, save_rng_state, save_scheduler, unsafe_dcp_metadata)
 
@@ -31,6 +34,38 @@ class ResumeError(RuntimeError):
     pass
 
 
+class ReshardAfterEvaluation(TrainerCallback):
+    """Under FSDP2, put every unit back to its shard once an evaluation ends.
+
+    Why: FSDP2 reshards a unit after its backward; a forward without backward (evaluation) leaves the units built
+    with `reshard_after_forward=False` -- accelerate's root unit with the final norm and lm_head -- unsharded until
+    the next backward. At 70B that is 0.5-4 GiB per GPU (bf16-fp32, 32k-128k vocabulary) held through the save that
+    follows an end-of-epoch eval, and the unsharded unit's parameters are plain tensors instead of DTensors, so the
+    run record's frozen-weight checksum summed full tensors instead of shards and reported "frozen weights CHANGED".
+    `FSDPModule.reshard()` is torch's own call for this.
+    """
+
+    def __init__(self):
+        self.unsharded_params_seen = 0  # most parameters an evaluation left unsharded (for the run record)
+
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        if reshard_fsdp2_units(model, reshard=False):
+            self.unsharded_params_seen = max(self.unsharded_params_seen, unsharded_fsdp2_params(model))
+            reshard_fsdp2_units(model)
+
+
+
+
+def reshard_fsdp2_units(model, *, reshard: bool = True) -> int:
+    """Reshard every FSDP2 unit of `model` (a no-op for units already sharded); returns how many units there are."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)] if model is not None else []
+    for unit in units if reshard else ():
+        unit.reshard()
+    return len(units)
+
+
 class RecipeSFTTrainer(SFTTrainer):
     def __init__(self, *args, verify_adapter: bool = True, **kwargs):
         compat.fsdp1_checkpoint_model_io_with_clean_names()
@@ -39,6 +74,13 @@ class RecipeSFTTrainer(SFTTrainer):
         self.verify_adapter = verify_adapter
         # Chosen now, before FSDP wraps the model: which tensors every adapter save gathers (gather.py).
         self.adapter_keys = adapter_state_keys(self.model)
+        # Weights this rank read while loading (0 where cpu_ram_efficient_loading built it on meta: they arrive from
+        # rank 0 when FSDP wraps the model), measured before the placeholders below exist.
+        self.weight_mib_after_load = live_tensor_mib([*self.model.parameters(), *self.model.buffers()])
+        materialize_meta_parameters(self.model)
+        self.checkpoint_save_costs: list[dict] = []  # per checkpoint: seconds, added RSS per rank (run record)
+        self.reshard_after_evaluation = ReshardAfterEvaluation()
+        self.add_callback(self.reshard_after_evaluation)
 
     def _writes_adapter_files(self) -> bool:
         from peft import PeftModel
@@ -63,8 +105,10 @@ class RecipeSFTTrainer(SFTTrainer):
         """Mark the checkpoint complete once every rank has written it (resume skips unmarked ones)."""
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-        super()._save_checkpoint(model, trial)
-        self.accelerator.wait_for_everyone()
+        with RssWatch() as watch:
+            super()._save_checkpoint(model, trial)
+            self.accelerator.wait_for_everyone()
+        self.checkpoint_save_costs.append(save_cost(self.accelerator, watch))
         if self.accelerator.is_main_process:
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             mark_complete(folder, self.state.global_step)
@@ -86,13 +130,34 @@ class RecipeSFTTrainer(SFTTrainer):
             return super()._save_optimizer_and_scheduler(output_dir)
         if self.is_fsdp_enabled:  # sharded model + optimizer as DCP folders, through transformers' own functions
             plugin = self.accelerator.state.fsdp_plugin
-            transformers_trainer.save_fsdp_model(plugin, self.accelerator, self.model, output_dir,
-                                                 **transformers_trainer.get_fsdp_ckpt_kwargs())
+            if not self._save_fsdp1_adapter_shards(output_dir):
+                transformers_trainer.save_fsdp_model(plugin, self.accelerator, self.model, output_dir,
+                                                     **transformers_trainer.get_fsdp_ckpt_kwargs())
             transformers_trainer.save_fsdp_optimizer(plugin, self.accelerator, self.optimizer, self.model, output_dir)
         elif self.args.should_save:
             save_optimizer(self.optimizer, os.path.join(output_dir, OPTIMIZER_FILE))
         if self.args.should_save:
             save_scheduler(self.lr_scheduler, os.path.join(output_dir, SCHEDULER_FILE))
+
+    def _save_fsdp1_adapter_shards(self, output_dir: str) -> bool:
+        """FSDP1 SHARDED checkpoints: write the adapter's shards without touching the frozen base (see
+        gather.fsdp1_sharded_adapter_state); False where accelerate's own save must do it."""
+        plugin = self.accelerator.state.fsdp_plugin
+        if plugin.fsdp_version != 1 or "SHARDED_STATE_DICT" not in str(plugin.state_dict_type):
+            return False
+        state = fsdp1_sharded_adapter_state(self.model, self.adapter_keys)
+        if state is None:
+            return False
+        import torch.distributed.checkpoint as dist_cp
+        from accelerate.utils.constants import FSDP_MODEL_NAME
+        from peft import get_peft_model_state_dict
+
+        peft_model = self.accelerator.unwrap_model(self.model)
+        with compat.module_names_without_fsdp_segments(peft_model):  # the keys accelerate's loader will ask for
+            state = get_peft_model_state_dict(peft_model, state_dict=state, adapter_name=peft_model.active_adapter)
+        dist_cp.save(state_dict={"model": state},
+                     storage_writer=dist_cp.FileSystemWriter(os.path.join(output_dir, f"{FSDP_MODEL_NAME}_0")))
+        return True
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         from .report import trainable_checksum
