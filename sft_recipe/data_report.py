@@ -208,13 +208,11 @@ def write(report: DataReport, output_dir: str) -> Path:
 
 
 def publish(report: DataReport, output_dir: str) -> None:
-    """Main process: the block in the log, warnings loud, and data_report.json in output_dir."""
+    """Main process: the block in the log (its WARNING lines included) and data_report.json in output_dir."""
     if not _is_main_process():
         return
     write(report, output_dir)
     print(report.render(output_dir), flush=True)
-    for warning in report.warnings:
-        logger.warning(warning)
 
 
 def confirm(report: DataReport, train_dataset, output_dir: str) -> None:
