@@ -1,6 +1,6 @@
 """Each data format through the real train.py: recognised with no flag, trained end to end on the tiny model with
 the adapter verified, and what was trained recorded (data_report.json, the trainer's own counts). One run under
-FSDP2 through `accelerate launch`. A bad file and the preview stop before any weight is loaded: the model folder
+FSDP2 and FSDP1 through `accelerate launch`. A bad file and the preview stop before any weight is loaded: the model folder
 they are given has no weights at all."""
 
 from __future__ import annotations
@@ -65,14 +65,16 @@ def test_format_trains_end_to_end(tiny, format_datasets, tmp_path, case):
     assert report["packing"] and 0.5 < report["splits"]["train"]["packing_efficiency"] <= 1
 
 
-def test_alpaca_under_fsdp2_trains_the_answers_only(tiny, format_datasets, tmp_path):
-    out = tmp_path / "fsdp2"
-    result = launch_train("cpu/fsdp2_config.yaml", out, [
-        "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(format_datasets["alpaca"]), *FLAGS,
+@pytest.mark.parametrize("config,case,version", [("cpu/fsdp2_config.yaml", "alpaca", 2),
+                                                ("cpu/fsdp_config.yaml", "prompt_completion", 1)])
+def test_answer_only_formats_under_fsdp_train_the_answers_only(tiny, format_datasets, tmp_path, config, case, version):
+    out = tmp_path / case
+    result = launch_train(config, out, [
+        "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(format_datasets[case]), *FLAGS,
         "--packing", "False"])
-    _assert_trained(result, "alpaca", True, _answer_tokens(tiny))
+    _assert_trained(result, CASES[case][0], True, _answer_tokens(tiny))
     facts = result.facts
-    assert facts["fsdp_version"] == 2 and facts["num_processes"] == 2 and facts["dtensor_params"] > 0  # real FSDP2
+    assert facts["fsdp_version"] == version and facts["num_processes"] == 2 and facts["fsdp_modules"] > 0  # real FSDP
     assert result.output.count("data report") == 1  # one block, from the main process
 
 
