@@ -1,7 +1,7 @@
 """Each data format through the real train.py: recognised with no flag, trained end to end on the tiny model with
-the adapter verified, and what was trained recorded (data_report.json, the trainer's own counts). One run under
-FSDP2 and FSDP1 through `accelerate launch`. A bad file and the preview stop before any weight is loaded: the model folder
-they are given has no weights at all."""
+the adapter verified, and what was trained recorded (data_report.json, the trainer's own counts). One run each
+under FSDP2 and FSDP1 through `accelerate launch`. A bad file and the preview stop before any weight is loaded: the
+model folder they are given has no weights at all."""
 
 from __future__ import annotations
 
