@@ -5,7 +5,7 @@ They are thin: the work lives in the `sft_recipe` package, which `train.py` uses
 
 from __future__ import annotations
 
-from sft_recipe.data import load_splits, prepare_for_trl
+from sft_recipe.data import prepare, read_splits
 from sft_recipe.model import added_token_ids, load_model, load_tokenizer, lora_config
 
 
@@ -27,5 +27,5 @@ def create_datasets(tokenizer, data_args, training_args, apply_chat_template=Fal
     the data holds `messages`.
     """
     del apply_chat_template
-    datasets = prepare_for_trl(load_splits(data_args), data_args, training_args.dataset_text_field, tokenizer)
+    datasets = prepare(read_splits(data_args), data_args, training_args.dataset_text_field, tokenizer).datasets
     return datasets["train"], datasets.get("test")
