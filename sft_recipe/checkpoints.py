@@ -18,10 +18,14 @@ LATEST = "latest"  # --resume_from_checkpoint latest: the newest complete checkp
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
-def mark_complete(checkpoint_dir: str | os.PathLike, global_step: int) -> None:
+def mark_complete(checkpoint_dir: str | os.PathLike, global_step: int, world_size: int | None = None,
+                  global_batch_size: int | None = None) -> None:
+    """Write the marker last. It also records how the run was laid out, so that a resume on another number of
+    ranks can be checked before anything loads (`resume_layout_problems`)."""
     from .state_io import write_atomically
 
-    marker = json.dumps({"global_step": global_step, "time": time.time()})
+    marker = json.dumps({"global_step": global_step, "time": time.time(), "world_size": world_size,
+                         "global_batch_size": global_batch_size})
     write_atomically(Path(checkpoint_dir) / COMPLETE_MARKER, lambda tmp: tmp.write_text(marker))
 
 
@@ -99,3 +103,34 @@ def _unsafe(checkpoint: Path) -> list[str]:
     return [f"--resume_from_checkpoint {checkpoint}: its sharded-checkpoint index holds more than checkpoint "
             f"metadata and torch would unpickle it (code could run): {'; '.join(problems)}. Fix: resume only from "
             "checkpoints written by this recipe, or start fresh."]
+
+
+def checkpoint_layout(checkpoint_dir: str | os.PathLike) -> dict:
+    """The marker's world_size and global_batch_size (absent in checkpoints of earlier versions)."""
+    try:
+        marker = json.loads((Path(checkpoint_dir) / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: marker[k] for k in ("world_size", "global_batch_size") if marker.get(k)}
+
+
+def resume_layout_problems(checkpoint: str | None, per_device_batch_size: int, accumulation: int,
+                           world_size: int) -> list[str]:
+    """A resume on another number of ranks continues exactly (weights and optimizer reshard, data order and LR
+    schedule follow the optimizer step) only when the global batch is the one the checkpoint was trained with."""
+    layout = checkpoint_layout(checkpoint) if checkpoint else {}
+    saved = layout.get("global_batch_size")
+    now = per_device_batch_size * accumulation * world_size
+    if not saved or saved == now:
+        return []
+    fix = ""
+    if saved % (per_device_batch_size * world_size) == 0:
+        fix = f" Fix: --gradient_accumulation_steps {saved // (per_device_batch_size * world_size)} on {world_size} ranks"
+    elif saved % world_size == 0:
+        fix = f" Fix: a per-rank batch x accumulation of {saved // world_size} on {world_size} ranks"
+    else:
+        fix = " Fix: a number of ranks that divides it"
+    return [f"--resume_from_checkpoint {checkpoint}: trained with a global batch of {saved} sequences "
+            f"({layout.get('world_size')} ranks); this launch gives {now} ({world_size} ranks x "
+            f"{per_device_batch_size} x accumulation {accumulation}), so the data order and the learning-rate "
+            f"schedule would not continue.{fix}, or start a new run."]

@@ -19,7 +19,7 @@ from trl import SFTTrainer
 
 from . import compat
 from .adapter import save_final_adapter
-from .checkpoints import mark_complete
+from .checkpoints import checkpoint_layout, mark_complete
 from .gather import adapter_state_keys, fsdp1_sharded_adapter_state
 from .model import materialize_meta_parameters
 from .report import RssWatch, live_tensor_mib, save_cost, unsharded_fsdp2_params
@@ -111,13 +111,22 @@ class RecipeSFTTrainer(SFTTrainer):
         self.checkpoint_save_costs.append(save_cost(self.accelerator, watch))
         if self.accelerator.is_main_process:
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            mark_complete(folder, self.state.global_step)
+            args = self.args
+            mark_complete(folder, self.state.global_step, world_size=args.world_size, global_batch_size=(
+                args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size))
 
     def _save_rng_state(self, output_dir: str) -> None:
         save_rng_state(rng_state_file(output_dir, self.args.process_index, self.args.world_size))
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if checkpoint is None:
+            return
+        saved_world_size = checkpoint_layout(checkpoint).get("world_size")
+        if saved_world_size and saved_world_size != self.args.world_size:
+            if self.accelerator.is_main_process:
+                logger.warning(f"resuming on {self.args.world_size} ranks from a checkpoint of {saved_world_size}: "
+                               "weights and optimizer state reshard, data order and learning-rate schedule continue; "
+                               "random streams (dropout) start afresh on every rank.")
             return
         path = rng_state_file(checkpoint, self.args.process_index, self.args.world_size)
         if not path.is_file():  # e.g. resumed on a different number of ranks: weights reshard, RNG streams cannot

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from . import compat
 from .args import ConfigError, DataTrainingArguments, ModelArguments, RecipeArguments
-from .checkpoints import previous_results, resolve_resume
+from .checkpoints import previous_results, resolve_resume, resume_layout_problems
 from .data import locate_splits
 from .model import DTYPES, flash_attn_problem
 
@@ -266,7 +266,9 @@ def _training_problems(m: ModelArguments, d: DataTrainingArguments, r: RecipeArg
     probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
     if not os.access(probe, os.W_OK):
         problems.append(f"--output_dir {t.output_dir}: {probe} is not writable. Fix: choose a folder you can write.")
-    problems += resolve_resume(t.resume_from_checkpoint, t.output_dir)[1]
+    resume_from, resume_problems = resolve_resume(t.resume_from_checkpoint, t.output_dir)
+    problems += resume_problems + resume_layout_problems(resume_from, t.per_device_train_batch_size,
+                                                         t.gradient_accumulation_steps, int(os.environ.get("WORLD_SIZE", "1")))
     previous = previous_results(t.output_dir)
     if previous and not t.resume_from_checkpoint and not r.overwrite_output_dir:
         problems.append(f"--output_dir {t.output_dir} holds a previous run ({', '.join(previous[:4])}). Fix: "

@@ -87,3 +87,22 @@ def test_a_resume_that_loads_nothing_stops_the_run(tiny, tmp_path, monkeypatch):
     trainer._save_optimizer_and_scheduler(str(tmp_path))  # a fresh optimizer: files present, no Adam moments in them
     with pytest.raises(ResumeError, match="restored no optimizer state"):
         trainer._load_optimizer_and_scheduler(str(tmp_path))
+
+
+def test_a_resume_on_other_ranks_must_keep_the_global_batch(tmp_path):
+    from sft_recipe.checkpoints import mark_complete, resume_layout_problems
+
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    mark_complete(checkpoint, 4, world_size=2, global_batch_size=8)  # 2 ranks x 2 x accumulation 2
+    assert resume_layout_problems(str(checkpoint), 2, 1, 4) == []  # 4 ranks x 2 x 1: the same global batch
+    assert resume_layout_problems(str(checkpoint), 2, 2, 2) == []
+    (problem,) = resume_layout_problems(str(checkpoint), 2, 2, 4)  # 16: the schedule would not continue
+    assert "global batch of 8" in problem and "gives 16" in problem
+    assert "--gradient_accumulation_steps 1 on 4 ranks" in problem
+    (problem,) = resume_layout_problems(str(checkpoint), 3, 1, 3)
+    assert "divides it" in problem
+    legacy = tmp_path / "checkpoint-2"
+    legacy.mkdir()
+    mark_complete(legacy, 2)  # no layout recorded (an earlier version): nothing to compare, no refusal
+    assert resume_layout_problems(str(legacy), 2, 2, 4) == []
