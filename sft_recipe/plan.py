@@ -52,6 +52,7 @@ from typing import Any
 from .args import ConfigError
 
 GIB = 2 ** 30
+UPSTREAM_SAVE_ROW = "upstream's final save (rank 0)"
 MIB = 2 ** 20
 REPO = Path(__file__).resolve().parents[1]
 
@@ -449,6 +450,17 @@ def _trainable(shape: ModelShape, w: Workload) -> tuple[int, int]:
     return count, (2 if w.quant and not w.dora else 4)
 
 
+def adapter_bytes(shape: ModelShape, w: Workload) -> tuple[float, str]:
+    """What the saved adapter holds, which is all the final save gathers (sft_recipe/gather.py): the trainable
+    tensors, plus the whole input embedding and output head when the vocabulary was resized (PEFT saves both)."""
+    trainable, tbytes = _trainable(shape, w)
+    total, formula = float(trainable * tbytes), f"{trainable:,} x {tbytes} B"
+    if w.extra_vocab and w.lora:
+        total += 2 * shape.vocab_size * shape.hidden_size * w.load_bytes
+        formula += f" + 2 x V*h*{w.load_bytes} (resized embedding + head)"
+    return total, formula
+
+
 def _optimizer_bytes(shape: ModelShape, w: Workload, trainable: int, param_bytes: int) -> tuple[float, str]:
     """Optimizer state per trainable parameter: AdamW keeps 2 moments in the parameter's dtype (2 x 4 bytes for fp32
     LoRA); 8-bit optimizers keep 2 x (1 byte + an fp32 absmax per 256 values); Lion 1 moment; SGD without momentum
@@ -549,9 +561,12 @@ def _gpu_estimate(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) 
                  + allocator_reserve x (activations + buffers) + cuda_context_gib
     load+wrap  = weights/G + one decoder layer moved whole (load dtype) + cuda_context_gib
     host       = runtime (n x host_runtime_gib) + max(loading, offloaded + final save), where
-                 loading     = one copy of the loaded weights (cpu_ram_efficient_loading: rank 0 only) or n copies,
+                 loading     = one copy of the loaded weights on local rank 0 and none on the others
+                               (cpu_ram_efficient_loading, not quantized), else one copy per rank,
                  offloaded   = (weights + trainable + gradients + optimizer) x n/G,
-                 final save  = every weight gathered to rank 0 (FULL_STATE_DICT), FSDP only.
+                 final save  = 2 x the adapter's bytes on rank 0 (gathered, then written): sft_recipe/gather.py
+                               gathers only what the adapter holds. Upstream's FULL_STATE_DICT save gathers every
+                               weight there instead: listed as a note, not in the peak.
     The checkpoint files also pass through the page cache (reclaimable, listed, not in the peak).
     """
     G, n = d.shard_group, d.per_machine
@@ -589,9 +604,13 @@ def _gpu_estimate(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) 
     full_loaded = shardable + replicated
     host = [Row("runtime", n * knobs["host_runtime_gib"] * GIB, f"{n} processes x {knobs['host_runtime_gib']:g} GiB "
                 "(CUDA libraries, Python; --host_runtime_gib)", "host")]
-    if d.kind == "fsdp" and d.cpu_ram_efficient_loading:
+    if d.kind == "fsdp" and d.cpu_ram_efficient_loading and not w.quant:
         load = full_loaded
-        lformula = "one copy of the weights as loaded, on rank 0 (cpu_ram_efficient_loading)"
+        lformula = "one copy of the weights as loaded, on local rank 0; 0 on the others (cpu_ram_efficient_loading)"
+    elif d.kind == "fsdp" and d.cpu_ram_efficient_loading:
+        load = n * full_loaded
+        lformula = (f"{n} cop{'y' if n == 1 else 'ies'} of the 4-bit weights: every rank quantizes its own (accelerate "
+                    "broadcasts no Params4bit from rank 0)")
     else:
         load = n * full_loaded
         lformula = f"{n} cop{'y' if n == 1 else 'ies'} of the weights as loaded (one per process)"
@@ -600,13 +619,16 @@ def _gpu_estimate(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) 
     if d.offload:
         offloaded = (shardable + (2 * trainable * tbytes + opt)) * n / G
         host.append(Row("offloaded shards", offloaded, "(weights + trainable + grads + optimizer) x n/G", "host"))
-    save = 0.0
+    adapter, aformula = adapter_bytes(shape, w)
+    save = 2 * adapter
+    host.append(Row("final save (rank 0)", save, f"2 x adapter ({aformula}): only what the adapter holds", "host"))
+    notes = [Row("page cache (reclaimable)", shape.checkpoint_bytes, "checkpoint files read through the page cache",
+                 "note")]
     if d.kind == "fsdp":
-        save = shardable + replicated
-        host.append(Row("final save (rank 0)", save, "FULL_STATE_DICT gathers every weight to rank 0's RAM", "host"))
+        notes.append(Row(UPSTREAM_SAVE_ROW, shardable + replicated,
+                         "FULL_STATE_DICT gathers every weight to rank 0's RAM (not in the peak)", "note"))
     host_peak = host[0].bytes + max(load, offloaded + save)
-    return rows, phases, host + [Row("page cache (reclaimable)", shape.checkpoint_bytes,
-                                     "checkpoint files read through the page cache", "note")], host_peak
+    return rows, phases, host + notes, host_peak
 
 
 def _cpu_estimate(shape: ModelShape, w: Workload, d: Distribution, rank: int) -> tuple[list[Row], dict]:
@@ -624,7 +646,8 @@ def _cpu_estimate(shape: ModelShape, w: Workload, d: Distribution, rank: int) ->
       freed activation memory, so RSS grows by CPU_HEAP_FACTOR x L*T*c (c: bytes per token per layer, fp32) --
       checkpointing lowers it less than it lowers the live activations (x CPU_HEAP_FACTOR_4BIT for 4-bit runs);
       plus CPU_FSDP_STEP_UNITS unsharded decoder layers of gloo/FSDP buffers.
-    - final save (FSDP, rank 0): the full state dict is gathered (every weight) next to the shard.
+    - final save (rank 0): 2 x the adapter's bytes above the train step's memory (the adapter gathered, then
+      written); upstream's full gather would add every weight (the `upstream's final save` host row on GPU).
     """
     shardable, replicated, _ = _base_weight_bytes(shape, w)
     trainable, tbytes = _trainable(shape, w)
@@ -665,7 +688,7 @@ def _cpu_estimate(shape: ModelShape, w: Workload, d: Distribution, rank: int) ->
         step = fixed + shard + train_state / G + heap + fsdp_step
         phases = {"load+wrap": wrap, "train step": step}
         if rank == 0:
-            phases["final save"] = fixed + shard + shardable + replicated
+            phases["final save"] = step + 2 * adapter_bytes(shape, w)[0]
         return rows, phases
     rows += [
         Row("checkpoint pages (mmap)", file_pages, "safetensors file size"),
@@ -987,8 +1010,17 @@ def render_guide_comparison(plans: dict[str, MemoryPlan] | None = None) -> str:
         legacy = plan.peak_gib + legacy_logits_bytes(key, plans) / GIB
         lines.append(f"  {key:<22}{plan.peak_gib:>10.1f}{pub:>12}{legacy:>27.1f}   {plan.setup}")
     host = plans["qlora-2x24-offload"].host_peak_bytes / GIB
-    lines.append(f"  host RAM, QLoRA + offload: predicted {host:.0f} GiB (runtime, one loaded copy, offloaded shards, "
-                 f"final FULL_STATE_DICT gather), published ~{PUBLISHED['qlora-2x24-offload']['host_gib']:g} GB")
+    row = {r.name: r.bytes for r in plans["qlora-2x24-offload"].host_rows}
+    upstream_host = (row["runtime"] + max(row["loading"], row.get("offloaded shards", 0) + row[UPSTREAM_SAVE_ROW])) / GIB
+    lines.append(f"  host RAM, QLoRA + offload: predicted {host:.0f} GiB here (runtime, one loaded copy, offloaded "
+                 f"shards, the adapter-only save); {upstream_host:.0f} GiB on upstream's path (its final "
+                 f"FULL_STATE_DICT gather), published ~{PUBLISHED['qlora-2x24-offload']['host_gib']:g} GB")
+    for key in ("lora-8x80", "qlora-2x24-offload"):
+        row = {r.name: r.bytes for r in plans[key].host_rows} if key in plans else {}
+        if row:
+            lines.append(f"  final save, {key}: {row['final save (rank 0)'] / GIB:.2f} GiB of host RAM on rank 0 (the "
+                         f"adapter, gathered then written) vs {row[UPSTREAM_SAVE_ROW] / GIB:.0f} GiB for upstream's "
+                         "FULL_STATE_DICT gather of every weight")
     lines.append("  Gaps: the guide's stack materialized the full logits in fp32 for the loss (T x V x 10 bytes; the "
                  "'+ full logits' column adds them, an upper bound); nvidia-smi shows reserved memory, above what "
                  "the allocator hands out; host RAM figures also depend on the page cache the checkpoint reads fill "

@@ -18,7 +18,7 @@ import torch
 
 from sft_recipe.args import ConfigError
 from sft_recipe.plan import (GIB, PUBLISHED, Distribution, activation_bytes_per_token_per_layer, fit_ladder,
-                             guide_plans, main, model_shape, parse_train_flags, plan_memory)
+                             guide_plans, main, model_shape, parse_train_flags, plan_memory, render_guide_comparison)
 from tests.conftest import REPO, launch_env
 
 LLAMA_70B = str(REPO / "configs" / "models" / "llama-2-70b")
@@ -236,6 +236,25 @@ def test_guide_predictions_land_near_the_published_figures():
     assert 0.85 * 35.6 <= no_offload <= 1.05 * 35.6 and not plans["qlora-2x24"].fits
     host = plans["qlora-2x24-offload"].host_peak_bytes / GIB
     assert 0.5 * 107 <= host <= 1.2 * 107
+
+
+def test_the_plan_knows_the_adapter_only_save_and_the_load():
+    """The final save costs 2 x the adapter (gathered, then written), not upstream's full gather, which is listed
+    beside it; cpu_ram_efficient_loading loads one copy per machine for LoRA, one per rank for 4-bit."""
+    plans = guide_plans()
+    lora = {r.name: r.bytes for r in plans["lora-8x80"].host_rows}
+    shape = model_shape(str(REPO / "configs" / "models" / "llama-2-70b"), extra_vocab=8)  # chatml's tokens
+    weights_fp32 = shape.total_params * 4
+    assert lora["upstream's final save (rank 0)"] == pytest.approx(weights_fp32, rel=1e-4)
+    # the recipe resizes the vocabulary (chatml): the adapter then holds the fp32 embedding and head, ~2 GiB
+    embedding_and_head = 2 * shape.vocab_size * shape.hidden_size * 4
+    assert embedding_and_head < lora["final save (rank 0)"] / 2 < embedding_and_head + 1 * GIB
+    assert lora["final save (rank 0)"] < weights_fp32 / 50
+    assert lora["loading"] == pytest.approx(weights_fp32, rel=0.01)  # rank 0 only, not 8 copies
+    qlora = {r.name: r.bytes for r in plans["qlora-2x24-offload"].host_rows}
+    assert qlora["loading"] == pytest.approx(2 * qlora["upstream's final save (rank 0)"], rel=0.01)  # each rank
+    text = render_guide_comparison(plans)
+    assert "final save, lora-8x80: 4.6" in text and "vs 257 GiB for upstream's FULL_STATE_DICT gather" in text
 
 
 # ------------------------------------------------------------------------------------------------------ the CLI
