@@ -1,0 +1,241 @@
+"""Do the recipe's GPU paths work, and how fast? One call on one lent H200 (started by bench/gpu_check.sh).
+
+Each step is a real `accelerate launch` / launch-script run of train.py on an 8B-shaped random Llama (hidden 4096,
+MLP 14336, 32 heads / 8 KV heads, vocab 128256, GPU_CHECK_LAYERS decoder layers, default 4), sequence 2048, packing,
+gradient checkpointing, SDPA, the tiny chat data repeated, a few steps. Each is time-boxed and fails soft: a failure
+or timeout is a row in the table, and the next step runs. Steps:
+    lora / lora+offload     FSDP2 on 1 process (configs/fsdp2_config.yaml --num_processes 1), CPU offload off / on
+    qlora / qlora+offload   the same with 4-bit NF4, nested quant, bf16 storage (the guide's QLoRA settings)
+    qlora-1gpu              bash run_peft.sh: one process, no launcher, uint8 storage (upstream's single-GPU default)
+    upstream                upstream's examples/sft/train.py on the lora flags, if UPSTREAM_SFT_DIR points to a folder
+                            holding it (+ its utils.py); not in this repo, skipped with a note otherwise
+One table: tokens/s (mean after the first logging interval), MFU, peak GPU memory during training vs the memory
+plan's prediction (sft_recipe.plan, same flags), peak after the final save, its seconds, the adapter check.
+GPU_CHECK_SMOKE=1: the same steps on the tiny model in fp32 on CPU, 2 steps each (tests/test_gpu_check.py); the
+offload steps are then refused up front (offload needs a GPU), which is what the smoke expects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+SMOKE = os.environ.get("GPU_CHECK_SMOKE", "") not in ("", "0")
+BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", "450"))  # the issue's 8 minutes, minus setup and slack
+OUT = Path(os.environ.get("GPU_CHECK_DIR") or (Path(os.environ["OUT"]) / "gpu_check" if os.environ.get("OUT")
+                                                  else "/tmp/gpu_check"))
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+BIN = Path(sys.executable).parent
+
+
+def build_inputs() -> tuple[Path, Path]:
+    """(model folder, data folder): the 8B-shaped random Llama with the tiny tokenizer, and the tiny chat data
+    repeated so that packing fills enough 2048-token rows; in smoke mode the tiny model and data as they are."""
+    from sft_recipe.tiny import build_tiny
+
+    tiny = build_tiny(OUT / "tiny")
+    if SMOKE:
+        return tiny.model_dir, tiny.jsonl_dir
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    model_dir, data_dir = OUT / "llama-8b-shape", OUT / "data"
+    if not (model_dir / "config.json").exists():
+        layers = int(os.environ.get("GPU_CHECK_LAYERS", "4"))
+        config = LlamaConfig(**LLAMA_8B, num_hidden_layers=layers, bos_token_id=1, eos_token_id=2)
+        torch.manual_seed(0)
+        with torch.device("cuda"):  # random init on the GPU: seconds instead of minutes on the CPU
+            model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model.save_pretrained(str(model_dir))
+        AutoTokenizer.from_pretrained(str(tiny.model_dir)).save_pretrained(str(model_dir))
+        del model
+        torch.cuda.empty_cache()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for split, copies in (("train", 60), ("test", 2)):
+        rows = (tiny.jsonl_dir / f"{split}.jsonl").read_text().splitlines()
+        (data_dir / f"{split}.jsonl").write_text("\n".join(rows * copies) + "\n")
+    return model_dir, data_dir
+
+
+def common_flags(model: Path, data: Path, out: Path) -> list[str]:
+    seq, steps = ("128", "2") if SMOKE else ("2048", os.environ.get("GPU_CHECK_STEPS", "8"))
+    return ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
+            "--seed", "100", "--max_seq_len", seq, "--max_steps", steps, "--packing", "True",
+            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--logging_steps", "1",
+            "--learning_rate", "1e-4", "--gradient_checkpointing", "True", "--use_reentrant", "False",
+            "--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.1",
+            "--lora_target_modules", "all-linear", "--use_flash_attn", "False", "--bf16", str(not SMOKE),
+            "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none", "--splits", "train,test",
+            "--dataset_text_field", "content"]
+
+
+def qlora_flags(storage: str) -> list[str]:
+    compute = "float32" if SMOKE else "bfloat16"
+    return ["--use_4bit_quantization", "True", "--use_nested_quant", "True", "--bnb_4bit_quant_type", "nf4",
+            "--bnb_4bit_compute_dtype", compute, "--bnb_4bit_quant_storage_dtype", storage]
+
+
+def steps(model: Path, data: Path) -> list[dict]:
+    config = "configs/cpu/fsdp2_config.yaml" if SMOKE else "configs/fsdp2_config.yaml"
+    storage = "float32" if SMOKE else "bfloat16"  # FSDP needs the model dtype; the smoke runs fp32
+    launch = [str(BIN / "accelerate"), "launch", "--config_file", config, "--num_processes", "1"]
+    plan = ["--config_file", config, "--num_processes", "1"]
+    out = OUT / "runs"
+    result = []
+    for name, extra in (("lora", []), ("qlora", qlora_flags(storage))):
+        for offload in ("false", "true"):
+            label = name + ("+offload" if offload == "true" else "")
+            flags = common_flags(model, data, out / label) + extra
+            result.append(dict(name=label, cmd=launch + ["--fsdp_offload_params", offload, "train.py", *flags],
+                               plan=plan + ["--fsdp_offload_params", offload, *flags], out=out / label))
+    # run_peft.sh's own --use_reentrant True stays: that is the path being checked.
+    flags = common_flags(model, data, out / "qlora-1gpu")
+    at = flags.index("--use_reentrant")
+    single = flags[:at] + flags[at + 2:]
+    single += ["--push_to_hub", "False"] + qlora_flags("uint8")
+    result.append(dict(name="qlora-1gpu", cmd=["bash", "run_peft.sh", *single], plan=single, out=out / "qlora-1gpu",
+                       env={"PYTHON": sys.executable}))
+    upstream = Path(os.environ.get("UPSTREAM_SFT_DIR", REPO / "bench" / "upstream"))
+    if (upstream / "train.py").is_file():
+        flags = common_flags(model, data, out / "upstream")
+        flags[flags.index("--max_seq_len")] = "--max_length"  # TRL's name; upstream's own parser has no alias
+        result.append(dict(name="upstream", cmd=launch + ["--fsdp_offload_params", "false",
+                                                          str(upstream / "train.py"), *flags],
+                           plan=None, out=out / "upstream", cwd=upstream))
+    else:
+        result.append(dict(name="upstream", skip=f"no upstream train.py in {upstream} (set UPSTREAM_SFT_DIR to a "
+                                                 "checkout of peft's examples/sft to compare side by side)"))
+    return result
+
+
+def predicted_peak_gib(plan_argv: list[str] | None) -> float | None:
+    """The memory plan's per-GPU peak for the same flags (sft_recipe.plan, no weights read), or None."""
+    if plan_argv is None:
+        return None
+    from sft_recipe.plan import main as plan_main
+
+    device = ["--device", "cpu"] if SMOKE else []
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(io.StringIO()):
+            plan_main(["--gpu_memory_gib", "139", "--json", *device, *plan_argv])
+        return json.loads(buffer.getvalue())["peak_gib"]
+    except (Exception, SystemExit):
+        return None
+
+
+def run_step(step: dict, deadline: float) -> dict:
+    row = {"step": step["name"]}
+    if "skip" in step:
+        return {**row, "status": "skipped", "note": step["skip"]}
+    left = deadline - time.time()
+    if left < 20:
+        return {**row, "status": "skipped", "note": "out of time"}
+    row["plan_gib"] = predicted_peak_gib(step.get("plan"))
+    shutil.rmtree(step["out"], ignore_errors=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               **step.get("env", {}))
+    if SMOKE:
+        env.update(ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
+    log = OUT / f"{step['name']}.log"
+    start = time.time()
+    try:
+        proc = subprocess.run(step["cmd"], cwd=step.get("cwd", REPO), env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=min(left, 240))
+        output, code = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        output, code = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+    log.write_text(output)
+    row["seconds"] = round(time.time() - start, 1)
+    # A configuration refusal exits 2 in one process; under the launcher every rank's 2 becomes the launcher's 1.
+    refused = "configuration problem(s):" in output
+    row["status"] = "ok" if code == 0 else ("refused" if refused else f"failed ({code})")
+    if code != 0:
+        lines = [line.strip() for line in output.splitlines() if line.strip()]
+        reasons = [line for line in lines if line.startswith("- ")] if refused else \
+            [line for line in lines if "Error" in line and not line.startswith("File ")][-2:] or lines[-3:]
+        row["note"] = " | ".join(dict.fromkeys(reasons))[-400:]
+    row["adapter_check"] = "pass" if "adapter check OK" in output else ("FAIL" if code == 0 else "-")
+    return {**row, **read_results(step["out"])}
+
+
+def read_results(out: Path) -> dict:
+    """tokens/s, MFU and memory from what train.py wrote (run_summary.json after the final save, run_facts.json at
+    the end of training): the summary's peak includes the save, the facts' peak does not."""
+    found = {}
+    try:
+        summary = json.loads((out / "run_summary.json").read_text())
+        found.update(tokens_per_second=summary.get("tokens_per_second"), mfu=summary.get("mfu"),
+                     peak_after_save_gib=max(summary.get("peak_memory_gib_per_rank") or [None], key=lambda x: x or 0))
+    except (OSError, ValueError):
+        pass
+    try:
+        facts = json.loads((out / "run_facts.json").read_text())
+        found["peak_train_gib"] = facts.get("peak_gpu_memory_gib")
+        save = facts.get("final_save") or {}
+        found["save_seconds"] = save.get("seconds") if isinstance(save, dict) else None
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def fmt(value, pattern="{:.1f}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def render(rows: list[dict], header: str) -> str:
+    lines = [header, "", "| step | status | tokens/s | MFU | peak GiB (train) | plan GiB | peak GiB after save | "
+             "save s | adapter check | s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['step']} | {r['status']} | {fmt(r.get('tokens_per_second'), '{:.0f}')} | "
+                     f"{fmt(r.get('mfu'), '{:.1%}')} | {fmt(r.get('peak_train_gib'), '{:.2f}')} | "
+                     f"{fmt(r.get('plan_gib'), '{:.2f}')} | {fmt(r.get('peak_after_save_gib'), '{:.2f}')} | "
+                     f"{fmt(r.get('save_seconds'), '{:.2f}')} | {r.get('adapter_check', '-')} | "
+                     f"{fmt(r.get('seconds'))} |")
+    lines += [f"- {r['step']}: {r['note']}" for r in rows if r.get("note")]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    import torch
+
+    started = time.time()
+    deadline = started + BUDGET_S
+    if not SMOKE and not torch.cuda.is_available():
+        print("error: no CUDA GPU visible. On CPU run GPU_CHECK_SMOKE=1 bash bench/gpu_check.sh.", file=sys.stderr)
+        return 2
+    OUT.mkdir(parents=True, exist_ok=True)
+    device = "CPU smoke (tiny model, fp32)" if SMOKE else torch.cuda.get_device_name()
+    import transformers
+
+    header = (f"gpu_check on {device}: torch {torch.__version__}, transformers {transformers.__version__}, "
+              f"python {sys.version.split()[0]}; logs in {OUT}")
+    print(header, flush=True)
+    try:
+        model, data = build_inputs()
+    except Exception as e:  # nothing can run without inputs; still print the table's reason
+        print(render([{"step": "build inputs", "status": f"failed ({type(e).__name__}: {e})"}], header))
+        return 1
+    rows = []
+    for step in steps(model, data):
+        rows.append(run_step(step, deadline))
+        print(f"  {step['name']}: {rows[-1]['status']} ({time.time() - started:.0f} s so far)", flush=True)
+    table = render(rows, header + f"; {time.time() - started:.0f} s in all")
+    print(table)
+    (OUT / "gpu_check.md").write_text(table + "\n")
+    (OUT / "gpu_check.json").write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

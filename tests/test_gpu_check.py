@@ -1,0 +1,46 @@
+"""bench/gpu_check.sh cannot rot: its CPU smoke runs every step's real command (accelerate launch / run_peft.sh /
+train.py) on the tiny model, reads what train.py wrote, asks the memory plan, and prints the table the GPU run prints.
+On CPU the offload steps are refused up front (offloading needs a GPU) and the upstream row is skipped (upstream's
+train.py is not in this repo): the table must say so rather than fail."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from tests.conftest import REPO, launch_env, run_command
+
+
+def test_gpu_check_smoke_prints_one_row_per_step(tmp_path):
+    env = launch_env(cpu_switch=False)  # the script sets the CPU switch for its own runs
+    env.update(GPU_CHECK_SMOKE="1", GPU_CHECK_DIR=str(tmp_path))
+    env.pop("UPSTREAM_SFT_DIR", None)
+    result = run_command(["bash", "bench/gpu_check.sh"], tmp_path, env=env, timeout=300)
+    assert result.returncode == 0, result.output[-5000:]
+    rows = {r["step"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())}
+    assert list(rows) == ["lora", "lora+offload", "qlora", "qlora+offload", "qlora-1gpu", "upstream"]
+    for name in ("lora", "qlora", "qlora-1gpu"):
+        row = rows[name]
+        assert (row["status"], row["adapter_check"]) == ("ok", "pass"), row
+        assert row["tokens_per_second"] > 0 and row["plan_gib"] > 0 and row["peak_after_save_gib"] > 0, row
+    for name in ("lora+offload", "qlora+offload"):
+        assert rows[name]["status"] == "refused" and "fsdp_offload_params: true on a CPU run" in rows[name]["note"]
+    assert rows["upstream"]["status"] == "skipped" and "UPSTREAM_SFT_DIR" in rows["upstream"]["note"]
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert table in result.output, "the table is printed"
+    assert re.search(r"^\| qlora-1gpu \| ok \| \d+ \|", table, flags=re.M)
+    # run_peft.sh ran as shipped: its own reentrant checkpointing and uint8 4-bit storage
+    summary = json.loads((tmp_path / "runs" / "qlora-1gpu" / "run_summary.json").read_text())
+    assert summary["config"]["model"]["use_reentrant"] is True
+    assert summary["config"]["model"]["bnb_4bit_quant_storage_dtype"] == "uint8"
+
+
+def test_wheel_fetch_never_asks_for_torch_and_headers_give_the_command():
+    fetch = (REPO / "bench" / "fetch_gpu_wheels.sh").read_text()
+    assert "--no-deps" in fetch and not re.search(r"\btorch==", fetch), "a resolved torch would be a CUDA build"
+    for script in ("bench/gpu_check.sh", "bench/fetch_gpu_wheels.sh"):
+        head = (REPO / script).read_text().splitlines()
+        assert head[0] == "#!/usr/bin/env bash" and head[1].startswith("# ")
+        assert any(f"bash {script}" in line for line in head[:6]), script
+    ignored = (REPO / ".gitignore").read_text()
+    assert "/bench/wheels/" in ignored, "tens of MiB of wheels must never be committed"
