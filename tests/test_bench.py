@@ -43,3 +43,17 @@ def test_throughput_table_reports_sharing_and_loading(capsys):
     out = capsys.readouterr().out
     assert "lora-fsdp2: model state per rank = 0.50 / 0.50 of one process (ideal 1/2)" in out
     assert "private memory after load, all ranks: 290 MiB with cpu_ram_efficient_loading, 580 MiB without" in out
+
+
+def test_scale_bench_smoke_prints_the_table_and_flat_save_slopes():
+    """bench/scale.py --smoke: two tiny models through FSDP2 on 2 ranks, ours and upstream's path side by side."""
+    proc = _bench("bench/scale.py", "--smoke", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 64x2 lora") or
+            line.startswith("| 128x2 lora")]
+    assert len(rows) == 2 and all("| fsdp2 | 2 |" in row and row.endswith("| yes |") for row in rows), rows
+    assert all("/0 (" in row for row in rows), "rank 1 must load no weight with cpu_ram_efficient_loading"
+    slope_rows = [line for line in proc.stdout.splitlines() if line.startswith("| fsdp2 | lora | 2 |")]
+    assert len(slope_rows) == 1
+    ours_save_slope, upstream_save_slope = (float(x) for x in slope_rows[0].split("|")[4:6])
+    assert abs(ours_save_slope) < 0.2 < upstream_save_slope, slope_rows[0]  # flat vs one copy per model byte

@@ -55,6 +55,8 @@ def test_the_override_command_runs(tmp_path):
     facts = result.facts
     assert facts["global_steps"] == 20 and facts["fsdp_version"] == 2  # --max_steps 20 overrode the recipe's 200
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4  # --lora_r 4 overrode the recipe's 8
+    # The recipe evaluates at its end; FSDP2 used to leave a unit unsharded there and the report said CHANGED.
+    assert facts["eval_losses"] and "frozen weights unchanged" in result.output
 
 
 def test_help_lists_the_flags():
