@@ -4,7 +4,7 @@
 #   bash bench/fetch_gpu_wheels.sh [arrow|core|qlora|gptq|all]     (default: all) -- then prints each set's size
 # The device call carries at most 64 MiB (working tree + carried paths), so the wheels travel in sets, one per call
 # (installs persist on the machine while it stays warm; bench/gpu_check.sh --install_only installs what it was given):
-#   arrow  pyarrow alone (53 MiB): the first call
+#   arrow  pyarrow and pillow (59 MiB): the first call, with gptq (2 MiB)
 #   core   the rest train.py needs beyond the image: trl, datasets and their deps, transformers/peft at the pinned
 #          versions (~37 MiB)
 #   qlora  bitsandbytes, slimmed to the CPU and CUDA 13 libraries the image's torch 2.11+cu130 loads (41 -> ~4 MiB)
@@ -20,7 +20,7 @@ CORE=(trl==1.16.0 datasets==5.2.0 transformers==5.24.0 peft==0.21.2 tokenizers==
       pandas==3.1.1 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 typer==0.29.2 hf-xet==1.8.0
       python-dateutil==4.0.0 tzdata==2026.6
       matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1 pyparsing==3.3.3)  # loss_curve.png
-ARROW=(pyarrow==26.0.1)
+ARROW=(pyarrow==26.0.1 pillow==13.0.0)  # pillow: matplotlib's, in case the image lacks it
 QLORA=(bitsandbytes==0.50.2)
 GPTQ_PURE=(optimum==2.3.0 threadpoolctl==3.8.0)
 GPTQ_SDIST=(gptqmodel==7.7.0 device-smi==0.5.7 tokenicer==0.0.14 logbar==0.4.15 defuser==0.0.28)  # sdists: built here

@@ -7,8 +7,11 @@ or timeout is a row in the table, and the next step runs. Steps:
     lora / lora+offload     FSDP2 on 1 process (configs/fsdp2_config.yaml --num_processes 1), CPU offload off / on
     qlora / qlora+offload   the same with 4-bit NF4, nested quant, bf16 storage (the guide's QLoRA settings)
     qlora-1gpu              bash run_peft.sh: one process, no launcher, uint8 storage (upstream's single-GPU default)
-    upstream                upstream's examples/sft/train.py on the lora flags, if UPSTREAM_SFT_DIR points to a folder
-                            holding it (+ its utils.py); not in this repo, skipped with a note otherwise
+    gptq                    run_peft_fsdp_gptq.sh (FSDP1) on the tiny model quantized with GPTQ on this machine, if
+                            optimum + gptqmodel are installed (bench/wheels/gptq)
+    upstream                upstream's examples/sft/train.py on the lora flags, if UPSTREAM_SFT_DIR (default
+                            bench/upstream/, git-ignored: carry it) holds it and its utils.py; not in this repo,
+                            skipped with a note otherwise
 One table: tokens/s (mean after the first logging interval), MFU, peak GPU memory during training vs the memory
 plan's prediction (sft_recipe.plan, same flags), peak after the final save, its seconds, the adapter check.
 GPU_CHECK_SMOKE=1: the same steps on the tiny model in fp32 on CPU, 2 steps each (tests/test_gpu_check.py); the
@@ -31,8 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 SMOKE = os.environ.get("GPU_CHECK_SMOKE", "") not in ("", "0")
 BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", "450"))  # the issue's 8 minutes, minus setup and slack
-OUT = Path(os.environ.get("GPU_CHECK_DIR") or (Path(os.environ["OUT"]) / "gpu_check" if os.environ.get("OUT")
-                                                  else "/tmp/gpu_check"))
+# WORK holds the GB-sized model and the runs; OUT only the table, its JSON and the logs (on the device machine, what
+# is written under $OUT is copied back, so the 8B-shaped weights must not land there).
+WORK = Path(os.environ.get("GPU_CHECK_DIR", "/tmp/gpu_check"))
+OUT = Path(os.environ["OUT"]) / "gpu_check" if os.environ.get("OUT") else WORK
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                 vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
 BIN = Path(sys.executable).parent
@@ -43,13 +48,13 @@ def build_inputs() -> tuple[Path, Path]:
     repeated so that packing fills enough 2048-token rows; in smoke mode the tiny model and data as they are."""
     from sft_recipe.tiny import build_tiny
 
-    tiny = build_tiny(OUT / "tiny")
+    tiny = build_tiny(WORK / "tiny")
     if SMOKE:
         return tiny.model_dir, tiny.jsonl_dir
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    model_dir, data_dir = OUT / "llama-8b-shape", OUT / "data"
+    model_dir, data_dir = WORK / "llama-8b-shape", WORK / "data"
     if not (model_dir / "config.json").exists():
         layers = int(os.environ.get("GPU_CHECK_LAYERS", "4"))
         config = LlamaConfig(**LLAMA_8B, num_hidden_layers=layers, bos_token_id=1, eos_token_id=2)
@@ -90,7 +95,7 @@ def steps(model: Path, data: Path) -> list[dict]:
     storage = "float32" if SMOKE else "bfloat16"  # FSDP needs the model dtype; the smoke runs fp32
     launch = [str(BIN / "accelerate"), "launch", "--config_file", config, "--num_processes", "1"]
     plan = ["--config_file", config, "--num_processes", "1"]
-    out = OUT / "runs"
+    out = WORK / "runs"
     result = []
     for name, extra in (("lora", []), ("qlora", qlora_flags(storage))):
         for offload in ("false", "true"):
@@ -105,6 +110,7 @@ def steps(model: Path, data: Path) -> list[dict]:
     single += ["--push_to_hub", "False"] + qlora_flags("uint8")
     result.append(dict(name="qlora-1gpu", cmd=["bash", "run_peft.sh", *single], plan=single, out=out / "qlora-1gpu",
                        env={"PYTHON": sys.executable}))
+    result.append(gptq_step(model, out))
     upstream = Path(os.environ.get("UPSTREAM_SFT_DIR", REPO / "bench" / "upstream"))
     if (upstream / "train.py").is_file():
         flags = common_flags(model, data, out / "upstream")
@@ -116,6 +122,25 @@ def steps(model: Path, data: Path) -> list[dict]:
         result.append(dict(name="upstream", skip=f"no upstream train.py in {upstream} (set UPSTREAM_SFT_DIR to a "
                                                  "checkout of peft's examples/sft to compare side by side)"))
     return result
+
+
+def gptq_step(model: Path, out: Path) -> dict:
+    """run_peft_fsdp_gptq.sh (FSDP1, the GPU config) on the tiny model quantized with GPTQ here: whether GPT-QModel's
+    trainable kernel loads and trains on this GPU. Needs optimum + gptqmodel (bench/wheels/gptq)."""
+    import importlib.util
+
+    missing = [m for m in ("optimum", "gptqmodel") if importlib.util.find_spec(m) is None]
+    if missing:
+        return dict(name="gptq", skip=f"{' and '.join(missing)} not installed (carry bench/wheels/gptq)")
+    base = WORK / "tiny-gptq"
+    build = f"{sys.executable} -m sft_recipe.gptq --build_tiny {base} --source {WORK / 'tiny' / 'model'}"
+    config = "configs/cpu/fsdp_config.yaml" if SMOKE else "configs/fsdp_config.yaml"
+    flags = ["--use_flash_attn", "False", "--bf16", str(not SMOKE), "--max_steps", "2", "--max_seq_len", "128",
+             "--per_device_train_batch_size", "2", "--eval_strategy", "no", "--save_strategy", "no",
+             "--logging_steps", "1", "--dataset_name", str(WORK / "tiny" / "data" / "jsonl")]
+    script = f"MODEL={base} OUTPUT_DIR={out / 'gptq'} ACCELERATE_CONFIG={config} NUM_PROCESSES=1 " \
+             f"PATH={BIN}:$PATH bash run_peft_fsdp_gptq.sh " + " ".join(flags)
+    return dict(name="gptq", cmd=["bash", "-c", f"{build} && {script}"], plan=None, out=out / "gptq")
 
 
 def predicted_peak_gib(plan_argv: list[str] | None) -> float | None:
@@ -215,6 +240,7 @@ def main() -> int:
         print("error: no CUDA GPU visible. On CPU run GPU_CHECK_SMOKE=1 bash bench/gpu_check.sh.", file=sys.stderr)
         return 2
     OUT.mkdir(parents=True, exist_ok=True)
+    WORK.mkdir(parents=True, exist_ok=True)
     device = "CPU smoke (tiny model, fp32)" if SMOKE else torch.cuda.get_device_name()
     import transformers
 

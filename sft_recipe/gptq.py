@@ -115,7 +115,8 @@ def build_tiny_gptq(source: str | Path, dest: str | Path, group_size: int = 32) 
     tokenizer = AutoTokenizer.from_pretrained(source)
     calibration = [f"calibration sample {i}: the quick brown fox answers question {i}" for i in range(16)]
     config = GPTQConfig(bits=4, group_size=group_size, dataset=calibration, tokenizer=tokenizer, desc_act=False)
-    model = AutoModelForCausalLM.from_pretrained(source, quantization_config=config, device_map="cpu",
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU GPT-QModel compiles its kernels once (~1 min)
+    model = AutoModelForCausalLM.from_pretrained(source, quantization_config=config, device_map=device,
                                                  dtype=torch.float32)
     dest = Path(dest)
     model.save_pretrained(dest)
