@@ -266,6 +266,13 @@ def _training_problems(m: ModelArguments, d: DataTrainingArguments, r: RecipeArg
     probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
     if not os.access(probe, os.W_OK):
         problems.append(f"--output_dir {t.output_dir}: {probe} is not writable. Fix: choose a folder you can write.")
+    if compat.fsdp_requested() and os.environ.get("FSDP_STATE_DICT_TYPE", "").upper() == "FULL_STATE_DICT" and \
+            str(t.save_strategy).split(".")[-1].lower() != "no":
+        problems.append("fsdp_state_dict_type: FULL_STATE_DICT with checkpoints (--save_strategy "
+                        f"{str(t.save_strategy).split('.')[-1].lower()}): accelerate then gathers every weight onto "
+                        "rank 0 at each checkpoint (a whole model copy in its RAM; FSDP1 on CPU crashes) and writes it "
+                        "with torch.save pickles. The final adapter is a full adapter whatever this setting. Fix: "
+                        "fsdp_state_dict_type: SHARDED_STATE_DICT (every shipped config), or --save_strategy no.")
     resume_from, resume_problems = resolve_resume(t.resume_from_checkpoint, t.output_dir)
     problems += resume_problems + resume_layout_problems(resume_from, t.per_device_train_batch_size,
                                                          t.gradient_accumulation_steps, int(os.environ.get("WORLD_SIZE", "1")))

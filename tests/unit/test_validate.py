@@ -95,6 +95,9 @@ MISTAKES = {
                                             "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
                                             "FSDP_SYNC_MODULE_STATES": "false"}, "needs fsdp_sync_module_states"),
     "FSDP1 sync on CPU": ([], {**FSDP1_CPU, "FSDP_SYNC_MODULE_STATES": "true"}, "does not work for FSDP1 on CPU"),
+    "full-state-dict checkpoints": (["--save_strategy", "steps"],
+                                    {**FSDP2_CPU, "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"},
+                                    "gathers every weight onto rank 0 at each checkpoint"),
     "FSDP1 CPU bf16 non-reentrant": (["--bf16", "True", "--gradient_checkpointing", "True", "--use_reentrant",
                                       "False"], FSDP1_CPU, "Fix: --use_reentrant True"),
 }
