@@ -93,7 +93,9 @@ def qlora_flags(storage: str) -> list[str]:
 def steps(model: Path, data: Path) -> list[dict]:
     config = "configs/cpu/fsdp2_config.yaml" if SMOKE else "configs/fsdp2_config.yaml"
     storage = "float32" if SMOKE else "bfloat16"  # FSDP needs the model dtype; the smoke runs fp32
-    launch = [str(BIN / "accelerate"), "launch", "--config_file", config, "--num_processes", "1"]
+    # `python -m` rather than the `accelerate` script: on the image the interpreter's bin need not hold it.
+    launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", config,
+              "--num_processes", "1"]
     plan = ["--config_file", config, "--num_processes", "1"]
     out = WORK / "runs"
     result = []

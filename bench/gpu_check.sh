@@ -17,12 +17,17 @@ if [[ -n "${GPU_CHECK_SMOKE:-}" && -x .venv/bin/python && "$PYTHON" == python ]]
 
 shopt -s nullglob
 wheels=(bench/wheels/*/*.whl)
-# Only on a GPU machine: on a workstation this would overwrite its environment with the image's wheel set.
+# Into bench/.gpu-site (git-ignored, so it stays on the warm machine between calls), first on PYTHONPATH: the image's
+# own site-packages are never modified (and an externally-managed Python cannot refuse the install). Only on a GPU
+# machine: on a workstation these Python 3.12 wheels are not this environment's.
+SITE=bench/.gpu-site
 if (( ${#wheels[@]} )) && [[ -z "${GPU_CHECK_SMOKE:-}" ]] && command -v nvidia-smi > /dev/null; then
   # --no-deps: the sets list every dependency the image lacks; resolving would fetch (or fail to fetch) a torch.
-  timeout 240 "$PYTHON" -m pip install -q --no-deps --no-index --disable-pip-version-check "${wheels[@]}" \
+  timeout 240 "$PYTHON" -m pip install -q --no-deps --no-index --disable-pip-version-check --upgrade \
+    --target "$SITE" "${wheels[@]}" \
     || echo "gpu_check: installing the carried wheels failed; steps that need them will fail (soft)"
 fi
+if [[ -d "$SITE" && -z "${GPU_CHECK_SMOKE:-}" ]]; then export PYTHONPATH="$PWD/$SITE${PYTHONPATH:+:$PYTHONPATH}"; fi
 if [[ "${1:-}" == --install_only ]]; then
   "$PYTHON" -c "import importlib.util as u; print('installed:', {m: bool(u.find_spec(m)) for m in
   ('pyarrow', 'datasets', 'trl', 'bitsandbytes', 'matplotlib', 'gptqmodel')})"
