@@ -10,7 +10,9 @@ this CPU is ~20x slower), fp32 4-bit compute, no upload, a few steps. For the DD
 Parity tolerance is looser than tests/e2e/test_parity.py's 1e-5 (fp32 LoRA): with a quantized base TRL 1.16 casts the
 LoRA weights to bf16 whatever --bf16 says, so a last-bit difference in the summed gradient rounds to a different bf16
 value, and Adam's first steps (update ~ lr * sign(g)) move near-zero-gradient elements by +-lr. Measured here at lr
-3e-3: losses within 3.3e-5 relative, lora_B (all learned: it starts at zero) within 1.2% relative norm, lora_A 0.15%.
+3e-3: losses within 3.3e-5 (step 2) and 9.2e-5 (step 3) relative, lora_B (all learned: it starts at zero) within
+1.2% relative norm, lora_A 0.15%. The adapter is the sharp check: the same DDP run with dropout left on (0.1)
+moves the losses by only 3-4e-4 but lora_B by 24%.
 Plain LoRA through the same script and torchrun stays within 2e-7 (fp32).
 """
 
@@ -27,7 +29,7 @@ from safetensors.torch import load_file
 from sft_recipe.args import build_parser, parse_args
 from tests.conftest import REPO, launch_env, run_command
 
-LOSS_RELATIVE_TOLERANCE = 1e-4  # bf16 LoRA weights (see above); a mis-sharded batch moves step 2 by ~1e-2
+LOSS_RELATIVE_TOLERANCE = 2e-4  # bf16 LoRA weights (see above): 2x the measured 9.2e-5
 LORA_B_RELATIVE_NORM = 5e-2
 LORA_A_RELATIVE_NORM = 1e-2
 TINY = ["--use_flash_attn", "False", "--bf16", "False", "--bnb_4bit_compute_dtype", "float32", "--push_to_hub", "False",
