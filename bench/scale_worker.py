@@ -45,7 +45,6 @@ def main() -> None:
     compat.enable_fsdp_on_cpu()
     import torch
     from datasets import Dataset
-    from peft import get_peft_model_state_dict
     from transformers import TrainerCallback
 
     import sft_recipe.model as model_module
@@ -82,23 +81,23 @@ def main() -> None:
     ours_dir = Path(training_args.output_dir) / "final-ours"
     save_final_adapter(trainer, str(ours_dir))  # the recipe's final save (adapter-only gather, check, atomic write)
     ours = trainer.last_save_cost
+    peak_after_ours = peak_rss_mib()  # the run's peak with our save, before upstream's adds its own
 
     upstream_dir = Path(training_args.output_dir) / "final-upstream"
     accelerator.wait_for_everyone()
     with RssWatch() as watch:  # upstream: gather every weight, keep the adapter's keys, save
         full = compat.gather_full_state_dict(accelerator, trainer.model_wrapped)
         if accelerator.is_main_process:
+            # With the FSDP1 name fix (compat): without it peft 0.21 writes an empty adapter here, as upstream does.
             peft_model = accelerator.unwrap_model(trainer.model)
             with compat.module_names_without_fsdp_segments(peft_model):
-                adapter = get_peft_model_state_dict(peft_model, state_dict=full)
-            peft_model.save_pretrained(str(upstream_dir), state_dict=full)
-            del adapter
+                peft_model.save_pretrained(str(upstream_dir), state_dict=full)
         del full
         accelerator.wait_for_everyone()
     per_rank = torch.tensor([load["weight_mib"], load["rss_mib"], facts["wrap_rss_mib"], facts["train_peak_rss_mib"],
-                             facts["model_state_mib"], facts["first_step_seconds"], watch.seconds, watch.added_mib],
-                            dtype=torch.float64)
-    per_rank = accelerator.gather(per_rank).reshape(-1, 8) if accelerator.num_processes > 1 else per_rank[None]
+                             facts["model_state_mib"], facts["first_step_seconds"], watch.seconds, watch.added_mib,
+                             peak_after_ours], dtype=torch.float64)
+    per_rank = accelerator.gather(per_rank).reshape(-1, 9) if accelerator.num_processes > 1 else per_rank[None]
     if not accelerator.is_main_process:
         return
     checkpoint = Path(training_args.output_dir) / "checkpoint-1"
@@ -106,7 +105,7 @@ def main() -> None:
     result = {
         "num_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
         "load_weight_mib": column(0), "load_rss_mib": column(1), "wrap_rss_mib": column(2),
-        "train_peak_rss_mib": column(3), "model_state_mib": column(4),
+        "train_peak_rss_mib": column(3), "model_state_mib": column(4), "peak_rss_mib": column(8),
         "first_step_seconds": round(float(per_rank[:, 5].max()), 2),
         "checkpoint_mib": round(_dir_mib(checkpoint), 2) if checkpoint.is_dir() else None,
         "checkpoint_save": trainer.checkpoint_save_costs[0] if trainer.checkpoint_save_costs else None,
