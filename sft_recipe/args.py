@@ -230,7 +230,7 @@ def _rewrite_aliases(argv: list[str], problems: list[str]) -> list[str]:
     for alias, target in ALIASES.items():
         if alias in last_by_name and target in last_by_name and last_by_name[alias] != last_by_name[target]:
             problems.append(f"--{alias} and --{target} are the same setting but were given different values "
-                            f"({last_by_name[alias]} vs {last_by_name[target]}): keep one.")
+                            f"({last_by_name[alias]} vs {last_by_name[target]}). Fix: keep one of them.")
     return out
 
 
@@ -273,7 +273,8 @@ def parse_args(argv: list[str] | None = None):
         if token.startswith("--"):
             name = token[2:].split("=", 1)[0]
             if name not in known and name not in ALIASES and name != "help":
-                problems.append(f"unknown flag `--{name}`.{_suggest(name, known)} (`python train.py --help` lists them)")
+                problems.append(f"unknown flag `--{name}`.{_suggest(name, known)} Fix: use a flag that "
+                                "`python train.py --help` lists.")
     argv = _rewrite_aliases(argv, problems)
 
     pre = argparse.ArgumentParser(add_help=False)
@@ -297,9 +298,10 @@ def parse_args(argv: list[str] | None = None):
     except SystemExit as e:  # argparse already printed the reason (bad value type, bad choice)
         if e.code == 0:  # --help
             raise
-        raise ConfigError(["the command line could not be parsed (see the argparse message above)."]) from None
+        raise ConfigError(["the command line could not be parsed (see the argparse message above). Fix: correct "
+                           "the value argparse names there."]) from None
     except ValueError as e:  # a dataclass __post_init__ refused a value
-        raise ConfigError([str(e)]) from None
+        raise ConfigError([f"{e}. Fix: change the setting named here (`python train.py --help`)."]) from None
     return model_args, data_args, recipe_args, training_args
 
 

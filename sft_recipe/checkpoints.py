@@ -86,7 +86,8 @@ def resolve_resume(resume_from_checkpoint: str | None, output_dir: str) -> tuple
         return str(path), _unsafe(path)
     path = Path(resume_from_checkpoint)
     if not path.is_dir():
-        return None, [f"--resume_from_checkpoint {resume_from_checkpoint}: no such checkpoint folder."]
+        return None, [f"--resume_from_checkpoint {resume_from_checkpoint}: no such checkpoint folder. Fix: a "
+                      "checkpoint-N folder of this run, or `latest`."]
     if not is_complete(path):
         return None, [f"--resume_from_checkpoint {resume_from_checkpoint}: incomplete checkpoint (no "
                       f"{COMPLETE_MARKER}; the run was probably stopped while saving it). Fix: resume from an "

@@ -53,8 +53,8 @@ def locate_splits(data_args: DataTrainingArguments) -> tuple[dict[str, tuple[str
         return {}, [f"--splits '{data_args.splits}': name at least one split, e.g. --splits train,test."]
     for split in splits:
         if split_role(split) is None:
-            problems.append(f"--splits: split '{split}' is neither a train split nor a test split (its name must "
-                            "contain 'train', or 'test'/'valid'/'eval').")
+            problems.append(f"--splits: split '{split}' is neither a train split nor a test split. Fix: a split whose "
+                            "name contains 'train', or 'test'/'valid'/'eval'.")
     root = Path(data_args.dataset_name)
     if root.is_dir():
         if (root / "dataset_dict.json").is_file():
@@ -67,7 +67,8 @@ def locate_splits(data_args: DataTrainingArguments) -> tuple[dict[str, tuple[str
                     present = sorted(p.name for p in root.iterdir())
                     problems.append(
                         f"--dataset_name {root}: no split '{split}' there (looked for a save_to_disk folder "
-                        f"'{split}/' or a file {split}.jsonl/.json/.parquet/.csv; found: {present[:10]})."
+                        f"'{split}/' or a file {split}.jsonl/.json/.parquet/.csv; found: {present[:10]}). Fix: --splits with "
+                        "the splits that are there."
                     )
                 else:
                     sources[split] = source
@@ -80,7 +81,8 @@ def locate_splits(data_args: DataTrainingArguments) -> tuple[dict[str, tuple[str
             for split in splits:
                 sources[split] = (builder, str(root))
     elif os.path.sep in data_args.dataset_name.strip("/") and data_args.dataset_name.startswith((".", "/")):
-        problems.append(f"--dataset_name {data_args.dataset_name}: no such file or folder.")
+        problems.append(f"--dataset_name {data_args.dataset_name}: no such file or folder. Fix: the path of a dataset "
+                        "folder or file, or a Hub dataset name.")
     else:
         for split in splits:
             sources[split] = ("hub", data_args.dataset_name)

@@ -239,12 +239,25 @@ class RunFacts(TrainerCallback):
             self.facts["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
 
     def summary_line(self) -> str:
+        """One line in the user's words: how it ran, how long, the loss, memory, and what moved."""
         f = self.facts
-        how = f"FSDP{f['fsdp_version']}" if f.get("fsdp_version") else f.get("distributed_type", "?")
-        losses = f.get("losses") or [float("nan")]
-        return (f"run summary: {how} on {f.get('num_processes')} x {f.get('device')} ({f.get('wrapped_class')}), "
-                f"{f.get('global_steps')} steps in {f.get('train_seconds')} s, loss {losses[0]:.3f} -> "
-                f"{losses[-1]:.3f}, peak RSS per rank {f.get('peak_rss_mib_per_rank')} MiB, "
+        kind = f.get("distributed_type", "?")
+        if f.get("fsdp_version"):
+            how = f"FSDP{f['fsdp_version']} on {f.get('num_processes')} x {f.get('device')}"
+        elif kind == "NO":
+            how = f"one process on {f.get('device')}"
+        else:
+            name = {"DEEPSPEED": "DeepSpeed", "MULTI_CPU": "DDP", "MULTI_GPU": "DDP"}.get(kind, kind)
+            how = f"{name} on {f.get('num_processes')} x {f.get('device')}"
+        losses = f.get("losses") or []
+        if not losses:
+            loss = "no training loss logged (--logging_steps is more than the steps run)"
+        elif len(losses) == 1:
+            loss = f"loss {losses[0]:.3f} (logged once)"
+        else:
+            loss = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+        return (f"run summary: {how} ({f.get('wrapped_class')}), {f.get('global_steps')} steps in "
+                f"{f.get('train_seconds')} s, {loss}, peak RSS per rank {f.get('peak_rss_mib_per_rank')} MiB, "
                 f"frozen weights {'CHANGED' if f.get('frozen_changed') else 'unchanged'}, "
                 f"trainable weights {'moved' if f.get('trainable_changed') else 'DID NOT MOVE'}")
 

@@ -22,8 +22,8 @@ def _model_problems(m: ModelArguments, t) -> list[str]:
     problems = unsloth_problems(m)
     problems += ddp_problems(m, t, compat.fsdp_requested(), compat.deepspeed_requested())
     if m.use_4bit_quantization and m.use_8bit_quantization:
-        problems.append("--use_4bit_quantization and --use_8bit_quantization are both True: pick one (4-bit is the "
-                        "QLoRA recipe).")
+        problems.append("--use_4bit_quantization and --use_8bit_quantization are both True. Fix: keep one (4-bit is "
+                        "the QLoRA recipe).")
     if (m.use_4bit_quantization or m.use_8bit_quantization) and not m.use_peft_lora:
         problems.append("quantized weights cannot be fine-tuned directly. Fix: add --use_peft_lora True (QLoRA).")
     if m.use_8bit_quantization and compat.fsdp_requested():
@@ -32,9 +32,9 @@ def _model_problems(m: ModelArguments, t) -> list[str]:
     for flag in ("bnb_4bit_compute_dtype", "bnb_4bit_quant_storage_dtype"):
         value = getattr(m, flag)
         if value not in DTYPES:
-            problems.append(f"--{flag} '{value}' is not a dtype; use one of {sorted(DTYPES)}.")
+            problems.append(f"--{flag} '{value}' is not a dtype. Fix: one of {sorted(DTYPES)}.")
     if m.bnb_4bit_compute_dtype == "uint8" and m.use_4bit_quantization:
-        problems.append("--bnb_4bit_compute_dtype uint8: computation needs a float dtype, e.g. bfloat16.")
+        problems.append("--bnb_4bit_compute_dtype uint8: computation needs a float dtype. Fix: e.g. bfloat16.")
     if m.use_4bit_quantization and compat.requested_fsdp_version() == "1" and \
             m.bnb_4bit_quant_storage_dtype == "float32":
         problems.append("--bnb_4bit_quant_storage_dtype float32 under FSDP1: TRL casts the LoRA weights of a quantized "
@@ -56,13 +56,13 @@ def _model_problems(m: ModelArguments, t) -> list[str]:
             problems.append(problem)
     if m.use_peft_lora:
         if m.lora_alpha <= 0:
-            problems.append(f"--lora_alpha {m.lora_alpha}: must be positive (the guide uses 16, twice lora_r).")
+            problems.append(f"--lora_alpha {m.lora_alpha}: must be positive. Fix: e.g. 16 (the guide's, twice lora_r).")
         if m.lora_r <= 0:
-            problems.append(f"--lora_r {m.lora_r}: the rank must be a positive integer (the guide uses 8).")
+            problems.append(f"--lora_r {m.lora_r}: the rank must be a positive integer. Fix: e.g. 8 (the guide's).")
         if not 0.0 <= m.lora_dropout < 1.0:
-            problems.append(f"--lora_dropout {m.lora_dropout}: must be in [0, 1).")
+            problems.append(f"--lora_dropout {m.lora_dropout}: must be in [0, 1). Fix: e.g. 0.1 (the guide's).")
         if not m.lora_target_modules.strip():
-            problems.append("--lora_target_modules is empty: name modules (q_proj,v_proj,...) or 'all-linear'.")
+            problems.append("--lora_target_modules is empty. Fix: name modules (q_proj,v_proj,...) or 'all-linear'.")
     return problems
 
 
@@ -212,11 +212,11 @@ def _lora_target_problems(m: ModelArguments, t) -> list[str]:
     wanted = [x.strip() for x in m.lora_target_modules.split(",") if x.strip() and x.strip() != "all-linear"]
     missing = [x for x in wanted if x not in names]
     if missing:
-        problems.append(f"--lora_target_modules: {missing} match no linear layer of this model. Candidates: "
+        problems.append(f"--lora_target_modules: {missing} match no linear layer of this model. Fix: choose from "
                         f"{sorted(names)} (or all-linear).")
     missing = [x for x in to_save if x not in all_names]
     if missing:
-        problems.append(f"--lora_modules_to_save: {missing} match no module of this model. Usual choices: "
+        problems.append(f"--lora_modules_to_save: {missing} match no module of this model. Fix: usual choices are "
                         f"{sorted(all_names & {'embed_tokens', 'lm_head', 'norm'})}.")
     return problems
 
@@ -244,9 +244,9 @@ def _training_problems(m: ModelArguments, d: DataTrainingArguments, r: RecipeArg
     problems = []
     for flag in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         if getattr(t, flag) < 1:
-            problems.append(f"--{flag} {getattr(t, flag)}: must be at least 1.")
+            problems.append(f"--{flag} {getattr(t, flag)}: must be at least 1. Fix: --{flag} 1 or more.")
     if t.learning_rate <= 0:
-        problems.append(f"--learning_rate {t.learning_rate}: must be positive (the guide uses 1e-4).")
+        problems.append(f"--learning_rate {t.learning_rate}: must be positive. Fix: e.g. 1e-4 (the guide's).")
     if t.max_steps <= 0 and t.num_train_epochs <= 0:
         problems.append("nothing to train: --num_train_epochs and --max_steps are both 0. Fix: --num_train_epochs 1.")
     from .data import requested_splits, split_role
@@ -261,7 +261,8 @@ def _training_problems(m: ModelArguments, d: DataTrainingArguments, r: RecipeArg
                         "in backward (recomputed activations come back bf16 where fp32 was saved). Fix: "
                         "--use_reentrant True, or --bf16 False, or FSDP2 (configs/cpu/fsdp2_config.yaml).")
     if t.max_length is not None and t.max_length <= 0:
-        problems.append(f"--max_seq_len/--max_length {t.max_length}: must be a positive number of tokens.")
+        problems.append(f"--max_seq_len/--max_length {t.max_length}: must be a positive number of tokens. Fix: e.g. "
+                            "2048 (the guide's).")
     out = Path(t.output_dir)
     probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
     if not os.access(probe, os.W_OK):
@@ -341,7 +342,8 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t)
     if m.model_name_or_path.startswith((".", "/")) and not local_model.exists():
         hint = " Build the tiny default with `python -m sft_recipe.tiny --output_dir .tiny`." \
             if ".tiny" in m.model_name_or_path else ""
-        problems.append(f"--model_name_or_path {m.model_name_or_path}: no such folder.{hint}")
+        problems.append(f"--model_name_or_path {m.model_name_or_path}: no such folder. Fix: a local model folder "
+                        f"or a Hub id.{hint}")
     if not any("--model_name_or_path" in p for p in problems):
         from .gptq import gptq_problems
 

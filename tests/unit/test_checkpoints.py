@@ -38,7 +38,25 @@ def test_resume_problems_name_the_fix(tmp_path):
 def test_marker_is_written_whole(tmp_path):
     mark_complete(tmp_path, 7)
     assert (tmp_path / COMPLETE_MARKER).read_text().startswith('{"global_step": 7')
-    assert not list(tmp_path.glob("*.tmp"))
+    assert not list(tmp_path.glob(".*.writing-*"))  # the atomic writer's temporary name (state_io.write_atomically)
+
+
+def test_an_interrupted_write_leaves_the_previous_file_whole(tmp_path):
+    from sft_recipe.state_io import write_atomically
+
+    target = tmp_path / "scheduler.json"
+    target.write_text("previous")
+    seen = []
+
+    def crash(tmp):
+        seen.append(tmp)
+        tmp.write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        write_atomically(target, crash)
+    assert target.read_text() == "previous"
+    assert seen and seen[0] in tmp_path.glob(".*.writing-*")  # the pattern the test above looks for
 
 
 def test_a_previous_run_is_not_overwritten_without_a_choice(tiny, tmp_path):

@@ -26,10 +26,15 @@ def test_4bit_weights_count_their_real_size(tiny):
     assert count_params(quantized)[0] == count_params(plain)[0]
 
 
-def test_mfu_peak_comes_from_the_flag_and_is_absent_on_cpu():
-    assert peak_tflops(123.0) == 123.0
-    if not torch.cuda.is_available():
-        assert peak_tflops(None) is None
+def test_mfu_peak_comes_from_the_flag_then_the_gpu_name_and_is_absent_on_cpu(monkeypatch):
+    assert peak_tflops(123.0) == 123.0  # the flag wins over any lookup
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert peak_tflops(None) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, expected in (("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA A100-SXM4-40GB", 312.0),
+                           ("NVIDIA L4", 121.0), ("NVIDIA L40S", 362.0), ("Some Future GPU", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, _name=name: _name)
+        assert peak_tflops(None) == expected, name
 
 
 def test_loss_curve_is_a_png(tmp_path):

@@ -1,0 +1,39 @@
+"""The run summary line speaks the user's words (report.RunFacts.summary_line), checked on recorded facts."""
+
+from __future__ import annotations
+
+import pytest
+
+from sft_recipe.report import RunFacts
+
+BASE = {"wrapped_class": "PeftModelForCausalLM", "global_steps": 4, "train_seconds": 1.5,
+        "peak_rss_mib_per_rank": [600.0], "frozen_changed": False, "trainable_changed": True, "device": "cpu"}
+
+
+def _line(**facts) -> str:
+    record = object.__new__(RunFacts)  # the line is a function of the facts alone; no trainer needed
+    record.facts = {**BASE, **facts}
+    return record.summary_line()
+
+
+@pytest.mark.parametrize("facts,expected", [
+    ({"distributed_type": "NO", "num_processes": 1}, "run summary: one process on cpu ("),
+    ({"distributed_type": "FSDP", "fsdp_version": 2, "num_processes": 2}, "run summary: FSDP2 on 2 x cpu ("),
+    ({"distributed_type": "MULTI_CPU", "num_processes": 2}, "run summary: DDP on 2 x cpu ("),
+    ({"distributed_type": "DEEPSPEED", "num_processes": 2}, "run summary: DeepSpeed on 2 x cpu ("),
+])
+def test_how_it_ran(facts, expected):
+    assert _line(**facts).startswith(expected)
+
+
+def test_the_loss_part_says_what_was_logged():
+    common = {"distributed_type": "NO", "num_processes": 1}
+    assert "loss 3.000 -> 1.000," in _line(**common, losses=[3.0, 2.0, 1.0])
+    assert "loss 2.500 (logged once)," in _line(**common, losses=[2.5])
+    line = _line(**common, losses=[])
+    assert "nan" not in line and "no training loss logged (--logging_steps is more than the steps run)" in line
+
+
+def test_what_moved_is_said_loudly_when_wrong():
+    line = _line(distributed_type="NO", num_processes=1, frozen_changed=True, trainable_changed=False)
+    assert "frozen weights CHANGED, trainable weights DID NOT MOVE" in line
