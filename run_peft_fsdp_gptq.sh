@@ -22,50 +22,10 @@ MODEL=${MODEL:-hugging-quants/Meta-Llama-3.1-8B-Instruct-GPTQ-INT4}
 DATASET=${DATASET:-smangrul/ultrachat-10k-chatml}
 OUTPUT_DIR=${OUTPUT_DIR:-llama3-8B-gptq-sft-lora-fsdp}
 ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-configs/fsdp_config.yaml}
-LAUNCH=(accelerate launch --config_file "$ACCELERATE_CONFIG")
-if [[ -n "${NUM_PROCESSES:-}" ]]; then LAUNCH+=(--num_processes "$NUM_PROCESSES"); fi
-if [[ -n "${LAUNCH_ARGS:-}" ]]; then read -r -a extra_launch <<< "$LAUNCH_ARGS"; LAUNCH+=("${extra_launch[@]}"); fi
-
-# As in run_peft_fsdp.sh: only a preemption note written by THIS run turns the launcher's failure into 75.
-note_fingerprint() { if [[ -f "$OUTPUT_DIR/preempted.json" ]]; then cksum < "$OUTPUT_DIR/preempted.json"; stat -c %Y "$OUTPUT_DIR/preempted.json"; fi; }
-note_before=$(note_fingerprint)
-status=0
-"${LAUNCH[@]}" train.py \
---seed 100 \
---model_name_or_path "$MODEL" \
---dataset_name "$DATASET" \
---chat_template_format "chatml" \
---add_special_tokens False \
---append_concat_token False \
---splits "train,test" \
---max_seq_len 2048 \
---num_train_epochs 1 \
---logging_steps 5 \
---log_level "info" \
---logging_strategy "steps" \
---eval_strategy "epoch" \
---save_strategy "epoch" \
---bf16 True \
---packing True \
---learning_rate 1e-4 \
---lr_scheduler_type "cosine" \
---weight_decay 1e-4 \
---warmup_steps 0 \
---max_grad_norm 1.0 \
---output_dir "$OUTPUT_DIR" \
---per_device_train_batch_size 8 \
---per_device_eval_batch_size 8 \
---gradient_accumulation_steps 4 \
---gradient_checkpointing True \
---use_reentrant False \
---dataset_text_field "content" \
---use_flash_attn True \
---use_peft_lora True \
---lora_r 8 \
---lora_alpha 16 \
---lora_dropout 0.1 \
+source scripts/lib/launch_common.sh  # GUIDE_FLAGS, accelerate_launch, run_and_exit
+accelerate_launch
+# Where it differs from the guide's LoRA run: LoRA on the GPTQ layers by name, and no upload (as upstream).
+run_and_exit "${LAUNCH[@]}" train.py "${GUIDE_FLAGS[@]}" \
 --lora_target_modules "q_proj,k_proj,v_proj,o_proj,up_proj,gate_proj" \
---use_4bit_quantization False \
-"$@" || status=$?
-if [[ -f "$OUTPUT_DIR/preempted.json" && "$(note_fingerprint)" != "$note_before" ]]; then exit 75; fi
-exit "$status"
+--push_to_hub False \
+"$@"

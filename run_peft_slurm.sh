@@ -8,6 +8,8 @@
 #   ACCELERATE_CONFIG=configs/multi_node/fsdp_config.yaml (or multi_node/fsdp2_config.yaml, fsdp_config_qlora.yaml;
 #     any config works, DeepSpeed's too: every multi-machine setting is passed on the command line below)
 #   GPUS_PER_NODE=(Slurm's count, else 8)  MAIN_PROCESS_PORT=29500  MAX_REQUEUES=10  AUTO_RESUME=1
+#   RECIPE_SCRIPT=(the launcher whose flags fit ACCELERATE_CONFIG: run_peft_qlora_fsdp.sh for a QLoRA config, the
+#     DeepSpeed scripts for DeepSpeed configs, else run_peft_fsdp.sh)
 # Time limit and preemption: Slurm sends SIGUSR1 to every process of the job step 300 s before the end; each rank
 # checkpoints at the same step and the run exits 75. This script then requeues the job (`scontrol requeue`), and the
 # requeued job resumes from the newest complete checkpoint in OUTPUT_DIR (AUTO_RESUME=0 turns that off).
@@ -58,29 +60,36 @@ if [[ "$AUTO_RESUME" == 1 ]] && compgen -G "$OUTPUT_DIR/checkpoint-*/checkpoint_
 fi
 
 # train.py writes this note when it stops for a signal; only a note written by THIS run means "requeue me" (a note
-# left by an earlier preemption must not requeue a run that failed for another reason).
+# left by an earlier preemption must not requeue a run that failed for another reason): note_fingerprint.
+source scripts/lib/launch_common.sh
 PREEMPTED_NOTE="$OUTPUT_DIR/preempted.json"
-note_fingerprint() { if [[ -f "$PREEMPTED_NOTE" ]]; then cksum < "$PREEMPTED_NOTE"; stat -c %Y "$PREEMPTED_NOTE"; fi; }
 note_before=$(note_fingerprint)
+# The launcher whose flags fit the config: a QLoRA config trains with the QLoRA flags (4-bit), a DeepSpeed config
+# with its script. RECIPE_SCRIPT=run_peft_....sh picks one by hand.
+RECIPE_SCRIPT=${RECIPE_SCRIPT:-$(recipe_script_for "$ACCELERATE_CONFIG")}
+if [[ ! -f "$RECIPE_SCRIPT" ]]; then
+  echo "error: RECIPE_SCRIPT=$RECIPE_SCRIPT: no such launcher here. Fix: one of $(ls run_peft_*.sh | grep -v slurm | tr '\n' ' ')" >&2
+  exit 2
+fi
 
 # Runs on every node. SLURM_PROCID is read there (single quotes): expanded here it would be 0 on every node.
 # The launcher (torchrun's agent) ignores SIGUSR1: Slurm signals every process of the step, and by default SIGUSR1
 # kills the agent at once, which ends the step and kills the ranks in the middle of writing their checkpoint. The
 # ranks replace the inherited "ignore" with train.py's handler when training starts.
-# The launcher flags that make one node one machine of NNODES; run_peft_fsdp.sh (the guide's flags, one copy of
-# them) adds them to its `accelerate launch`. SLURM_PROCID is read on each node (single quotes below): expanded here
+# The launcher flags that make one node one machine of NNODES; the recipe's launcher (RECIPE_SCRIPT) adds them to
+# its `accelerate launch`. SLURM_PROCID is read on each node (single quotes below): expanded here
 # it would be 0 on every node.
 # --rdzv_backend static (not c10d): Slurm already numbers the nodes and starts them together, and static keeps
 # --machine_rank, so global rank 0 is on MAIN_PROCESS_IP. c10d would ignore --machine_rank (ranks in arrival order)
 # and, with same_network: true, also --main_process_ip (torchrun reads no master_addr for c10d), while its one
 # advantage -- restarting a failed worker group in place -- would rerun train.py without resuming; requeue does that.
-export MODEL DATASET OUTPUT_DIR ACCELERATE_CONFIG
+export MODEL DATASET OUTPUT_DIR ACCELERATE_CONFIG RECIPE_SCRIPT
 export MACHINE_LAUNCH_ARGS="--num_machines $NNODES --num_processes $((NNODES * GPUS_PER_NODE)) \
 --main_process_ip $MAIN_PROCESS_IP --main_process_port $MAIN_PROCESS_PORT --rdzv_backend static"
 # The launcher (torchrun's agent) ignores SIGUSR1: Slurm signals every process of the step, and by default SIGUSR1
 # kills the agent at once, which ends the step and kills the ranks in the middle of writing their checkpoint. The
 # ranks replace the inherited "ignore" with train.py's handler when training starts.
-NODE_LAUNCH='trap "" USR1; LAUNCH_ARGS="--machine_rank $SLURM_PROCID $MACHINE_LAUNCH_ARGS" exec bash run_peft_fsdp.sh "$@"'
+NODE_LAUNCH='trap "" USR1; LAUNCH_ARGS="--machine_rank $SLURM_PROCID $MACHINE_LAUNCH_ARGS" exec bash "$RECIPE_SCRIPT" "$@"'
 
 status=0
 srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "$NODE_LAUNCH" node-launch \

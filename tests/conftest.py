@@ -63,6 +63,31 @@ def launch_script(config: str, script: str, args: list[str], output_dir: Path, e
     return run_command(cmd, output_dir, env)
 
 
+FAKE_LAUNCHER = """#!/usr/bin/env bash
+# Records how a launch script calls its launcher (argv as JSON lines) instead of running anything.
+python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@" >> "$FAKE_LAUNCH_LOG"
+"""
+
+
+def script_train_flags(script: str, tmp_path: Path, **env_overrides: str) -> tuple[list[str], list[str]]:
+    """(launcher words, train.py flags) that `bash <script>` passes, with fake accelerate/torchrun/python recording
+    them: what the script really runs, its shared shell included (scripts/lib/launch_common.sh)."""
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in ("accelerate", "torchrun", "python"):
+        (bin_dir / name).write_text(FAKE_LAUNCHER)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "fake-launch.jsonl"
+    log.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "DATASET", "OUTPUT_DIR", "ACCELERATE_CONFIG",
+                                                              "NUM_PROCESSES", "LAUNCH_ARGS", "PYTHON")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", FAKE_LAUNCH_LOG=str(log), **env_overrides)
+    proc = subprocess.run(["bash", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    (argv,) = [json.loads(line) for line in log.read_text().splitlines()]
+    return argv[:argv.index("train.py")], argv[argv.index("train.py") + 1:]
+
+
 def _free_port() -> int:
     import socket
 

@@ -18,8 +18,6 @@ Plain LoRA through the same script and torchrun stays within 2e-7 (fp32).
 
 from __future__ import annotations
 
-import re
-import shlex
 import socket
 
 import pytest
@@ -27,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from sft_recipe.args import build_parser, parse_args
-from tests.conftest import REPO, launch_env, run_command
+from tests.conftest import REPO, launch_env, run_command, script_train_flags
 
 LOSS_RELATIVE_TOLERANCE = 2e-4  # bf16 LoRA weights (see above): 2x the measured 9.2e-5
 LORA_B_RELATIVE_NORM = 5e-2
@@ -112,14 +110,9 @@ def test_run_unsloth_peft_sh_is_refused_before_any_weight_loads(tiny, tmp_path):
     assert not out.exists()
 
 
-def _script_flags(script: str) -> list[str]:
-    """The train.py flags a script passes, with its default MODEL/DATASET/OUTPUT_DIR substituted."""
-    text = (REPO / script).read_text()
-    defaults = dict(re.findall(r"^(\w+)=\$\{\1:-([^}]*)\}", text, flags=re.M))
-    body = text.split("train.py \\\n", 1)[1].split('"$@"')[0]
-    for name, value in defaults.items():
-        body = body.replace(f'"${name}"', shlex.quote(value))
-    return shlex.split(body.replace("\\\n", " "))
+def _script_flags(script: str, tmp_path) -> list[str]:
+    """The train.py flags a script passes with its default MODEL/DATASET/OUTPUT_DIR (recorded by a fake launcher)."""
+    return script_train_flags(script, tmp_path)[1]
 
 
 # What each upstream script sets that differs between them; everything else is the guide's common flags.
@@ -140,9 +133,9 @@ UPSTREAM = {
 
 
 @pytest.mark.parametrize("script", sorted(UPSTREAM))
-def test_script_passes_upstreams_flags_and_its_header_gives_the_command(script, monkeypatch):
+def test_script_passes_upstreams_flags_and_its_header_gives_the_command(script, monkeypatch, tmp_path):
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # they ask for bf16
-    model_args, data_args, _, training_args = parse_args(_script_flags(script))
+    model_args, data_args, _, training_args = parse_args(_script_flags(script, tmp_path))
     for name, value in UPSTREAM[script].items():
         got = getattr(model_args, name, getattr(training_args, name, None))
         assert got == value, f"{script}: --{name} is {got!r}, upstream passes {value!r}"
@@ -155,17 +148,20 @@ def test_script_passes_upstreams_flags_and_its_header_gives_the_command(script, 
     assert any(f"bash {script}" in line for line in head[:6]), "the header gives the command"
 
 
-def test_multigpu_script_launches_torchrun_not_accelerate():
-    text = (REPO / "run_peft_multigpu.sh").read_text()
-    assert 'LAUNCH=(torchrun --nproc_per_node "${NPROC_PER_NODE:-8}" --nnodes 1)' in text
-    assert "(accelerate launch" not in text and "\naccelerate launch" not in text
+def test_multigpu_script_launches_torchrun_not_accelerate(tmp_path):
+    launcher, _ = script_train_flags("run_peft_multigpu.sh", tmp_path)
+    assert launcher == ["--nproc_per_node", "8", "--nnodes", "1"], launcher  # recorded by the fake torchrun
+    assert (tmp_path / "fake-launch.jsonl").read_text().count("\n") == 1  # one launcher call: not accelerate
+    launcher, _ = script_train_flags("run_peft_multigpu.sh", tmp_path, NPROC_PER_NODE="2")
+    assert launcher[:2] == ["--nproc_per_node", "2"]
 
 
-def test_ddp_with_reentrant_checkpointing_is_refused_up_front(monkeypatch):
+def test_ddp_with_reentrant_checkpointing_is_refused_up_front(monkeypatch, tmp_path):
     from sft_recipe.launch_checks import ddp_problems
 
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
-    model_args, _, _, training_args = parse_args(_script_flags("run_peft_multigpu.sh") + ["--use_reentrant", "True"])
+    model_args, _, _, training_args = parse_args(_script_flags("run_peft_multigpu.sh", tmp_path) +
+                                              ["--use_reentrant", "True"])
     monkeypatch.setenv("WORLD_SIZE", "2")
     (problem,) = ddp_problems(model_args, training_args, fsdp=False, deepspeed=False)
     assert "--use_reentrant True" in problem and "Fix: --use_reentrant False" in problem

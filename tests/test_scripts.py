@@ -5,14 +5,12 @@ ACCELERATE_CONFIG/NUM_PROCESSES, extra flags appended): a local model and datase
 (no GPU here), --use_flash_attn False (flash-attn needs CUDA), no upload (no Hub), and a few steps.
 """
 
-import re
-import shlex
 from dataclasses import fields
 
 import pytest
 
 from sft_recipe.args import parse_args
-from tests.conftest import REPO, launch_env, run_command
+from tests.conftest import REPO, launch_env, run_command, script_train_flags
 
 TINY_SCALE = ["--use_flash_attn", "False", "--max_steps", "3", "--max_seq_len", "128",
               "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2", "--logging_steps", "1"]
@@ -62,21 +60,16 @@ def test_run_peft_qlora_fsdp_sh(tiny, tmp_path):
     assert "adapter check OK" in result.output
 
 
-def _script_flags(script: str) -> list[str]:
-    """The train.py flags a script passes, with its default MODEL/DATASET/OUTPUT_DIR substituted."""
-    text = (REPO / script).read_text()
-    defaults = dict(re.findall(r"^(\w+)=\$\{\1:-([^}]*)\}", text, flags=re.M))
-    body = text.split("train.py \\\n", 1)[1].split('"$@"')[0]
-    for name, value in defaults.items():
-        body = body.replace(f'"${name}"', shlex.quote(value))
-    return shlex.split(body.replace("\\\n", " "))
+def _script_flags(script: str, tmp_path) -> list[str]:
+    """The train.py flags a script passes with its default MODEL/DATASET/OUTPUT_DIR (recorded by a fake launcher)."""
+    return script_train_flags(script, tmp_path)[1]
 
 
 @pytest.mark.parametrize("script,recipe", [("run_peft_fsdp.sh", "recipes/llama2_70b_lora.yaml"),
                                            ("run_peft_qlora_fsdp.sh", "recipes/llama2_70b_qlora.yaml")])
-def test_recipe_yaml_matches_its_script(script, recipe, monkeypatch):
+def test_recipe_yaml_matches_its_script(script, recipe, monkeypatch, tmp_path):
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # both ask for bf16
-    from_script = parse_args(_script_flags(script))
+    from_script = parse_args(_script_flags(script, tmp_path))
     from_recipe = parse_args(["--config", str(REPO / recipe)])
     for a, b in zip(from_script, from_recipe):
         names = [f.name for f in fields(a) if f.name != "config"]

@@ -268,3 +268,27 @@ def test_multi_node_configs_are_the_single_machine_ones_across_machines(name):
     differing = {k for k in multi.keys() | single.keys() if multi.get(k) != single.get(k)}
     assert differing == {"num_machines", "num_processes", "main_process_ip", "main_process_port"}
     assert multi["main_process_ip"].endswith(".invalid"), "a forgotten IP must never resolve"
+
+
+@pytest.mark.parametrize("config,script_flag", [
+    ("configs/multi_node/fsdp_config_qlora.yaml", ("--use_4bit_quantization", "True")),
+    ("configs/multi_node/fsdp_config.yaml", ("--use_4bit_quantization", "False")),
+])
+def test_each_node_launches_the_recipe_its_config_names(tmp_path, config, script_flag):
+    """A QLoRA config under Slurm trains with the QLoRA flags (it used to exec run_peft_fsdp.sh, LoRA, silently)."""
+    env = slurm_env(tmp_path, 2, ["gpu07", "gpu08"], ACCELERATE_CONFIG=config)
+    result = run_script(tmp_path, env, "--max_steps", "3")
+    assert result.returncode == 0, result.stdout
+    for record in launches(tmp_path).values():
+        flags = train_flags(record["argv"])
+        name, value = script_flag
+        last = len(flags) - 1 - flags[::-1].index(name)  # the last value of a flag is the one train.py uses
+        assert flags[last + 1] == value, flags
+        assert option(record["argv"], "--config_file") == config
+
+
+def test_a_recipe_script_that_does_not_exist_is_named(tmp_path):
+    env = slurm_env(tmp_path, 2, ["gpu07", "gpu08"], RECIPE_SCRIPT="run_peft_nope.sh")
+    result = run_script(tmp_path, env)
+    assert result.returncode == 2 and "RECIPE_SCRIPT=run_peft_nope.sh: no such launcher here" in result.stdout
+    assert "run_peft_qlora_fsdp.sh" in result.stdout and not launches(tmp_path)
