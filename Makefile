@@ -2,10 +2,11 @@
 #   make demo   set up .venv, build the tiny model+data, train LoRA with real FSDP on 2 CPU processes, verify,
 #               reload the adapter and compare it with the base on held-out prompts
 #   make test   set up .venv and run the test suite
+#   make test-fast  the in-process unit tests alone (under 2 minutes); make lint  ruff over the tree
 PY := .venv/bin/python
 DEMO_DIR ?= runs/demo
 
-.PHONY: setup tiny demo test
+.PHONY: setup tiny demo test test-fast lint
 setup:
 	bash scripts/setup.sh
 
@@ -17,3 +18,9 @@ demo: tiny
 
 test: setup
 	$(PY) -m pytest -q tests
+
+test-fast: setup
+	$(PY) -m pytest -q -m unit tests
+
+lint: setup
+	$(PY) -m ruff check .

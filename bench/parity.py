@@ -4,7 +4,8 @@
 
 Every setup trains the tiny model for 8 steps (crossing an epoch boundary: 60 packed sequences) with the same seed,
 data and global batch (8 sequences per step) on CPU in fp32, dropping the short last batch of the epoch except where
-the row says so. Accumulation rows differ at step 8: the epoch's leftover micro-batch makes a short optimizer step. Rows compare each setup with one process at batch 8: the largest relative difference of a per-step loss
+the row says so. Accumulation rows differ at step 8: the epoch's leftover micro-batch makes a short optimizer step.
+Rows compare each setup with one process at batch 8: the largest relative difference of a per-step loss
 and the largest absolute difference of a saved adapter tensor. Resume rows continue from the step-4 checkpoint of the
 uninterrupted run of the same setup and compare steps 5-8 and the final adapter with it.
 """

@@ -95,8 +95,15 @@ def slope(xs: list[float], ys: list[float]) -> float:
 def plan_predictions(model_dir: Path, engine: str, method: str, ranks: int) -> dict:
     """The memory plan's CPU predictions: weights loaded per rank, the final save's added bytes on rank 0 (an upper
     bound: 2 x adapter), and each rank's peak RSS (`plan_memory(..., device="cpu")`)."""
-    from sft_recipe.plan import (_base_weight_bytes, adapter_bytes, model_shape, parse_train_flags, plan_memory,
-                                 read_accelerate_config, workload)
+    from sft_recipe.plan import (
+        _base_weight_bytes,
+        adapter_bytes,
+        model_shape,
+        parse_train_flags,
+        plan_memory,
+        read_accelerate_config,
+        workload,
+    )
 
     extra = QLORA["bf16" if engine == "fsdp1" else "fp32"] if method == "qlora" else []
     argv = ["--model_name_or_path", str(model_dir), *FLAGS, *extra]
@@ -149,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(results: list[dict]) -> None:
-    print("| model | MiB | engine | ranks | load weights MiB/rank (upstream) [plan] | wrap RSS | peak RSS/rank [plan] | "
+    print("| model | MiB | engine | ranks | load weights MiB/rank (upstream) [plan] | wrap RSS | "
+          "peak RSS/rank [plan] | "
           "ckpt MiB | 1st step s | save s ours / upstream | save +MiB rank 0 ours / upstream (ratio) [plan bound] | "
           "identical |")
     print("|---" * 12 + "|")
@@ -165,7 +173,8 @@ def print_table(results: list[dict]) -> None:
               f"{'/'.join(f'{x:.0f}' for x in r['peak_rss_mib'])} "
               f"[{'/'.join(f'{x:.0f}' for x in r['plan']['peak_rss_mib'])}] | {r['checkpoint_mib']} | "
               f"{r['first_step_seconds']} | {ours['seconds']:.2f} / {up['seconds']:.2f} | "
-              f"{added_ours:.1f} / {added_up:.1f} ({ratio(added_ours, added_up)}) [{r['plan']['save_added_mib']:.1f}] | "
+              f"{added_ours:.1f} / {added_up:.1f} ({ratio(added_ours, added_up)}) "
+              f"[{r['plan']['save_added_mib']:.1f}] | "
               f"{'yes' if r['adapter_files_identical'] else 'NO'} |")
     errors = [abs(p - m) / m for r in results for p, m in zip(r["plan"]["peak_rss_mib"], r["peak_rss_mib"])]
     worst = max(errors) if errors else 0.0
@@ -184,7 +193,7 @@ def print_table(results: list[dict]) -> None:
             continue
         xs = [r["model_mib"] for r in rows]
 
-        def fit(values):
+        def fit(values, xs=xs):
             return slope(xs, values)
 
         ours_mem = fit([r["save_ours"]["rss_anon_added_mib_per_rank"][0] for r in rows])

@@ -78,7 +78,8 @@ def run(model_dir: Path, work: Path, name: str) -> dict:
     facts = json.loads((out / "run_facts.json").read_text())
     return {"name": name, "what": what, "ranks": facts["num_processes"],
             "tokens_per_second": summary["tokens_per_second"], "model_state": facts["model_state_mib_per_rank"],
-            "after_load": facts["rss_anon_after_load_mib_per_rank"], "after_load_file": facts["rss_file_after_load_mib_per_rank"], "peak_rss": facts["peak_rss_mib_per_rank"]}
+            "after_load": facts["rss_anon_after_load_mib_per_rank"],
+            "after_load_file": facts["rss_file_after_load_mib_per_rank"], "peak_rss": facts["peak_rss_mib_per_rank"]}
 
 
 def _per_rank(values: list[float]) -> str:
@@ -86,7 +87,8 @@ def _per_rank(values: list[float]) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| setup | ranks | tokens/s | model state MiB/rank | after load: private + file MiB/rank | peak RSS MiB/rank | what |")
+    print("| setup | ranks | tokens/s | model state MiB/rank | after load: private + file MiB/rank | "
+          "peak RSS MiB/rank | what |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:

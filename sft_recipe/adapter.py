@@ -113,9 +113,11 @@ def check_adapter(adapter_dir: str, *, trained: bool = True, trust_remote_code: 
         missing = sorted(set(expected) - saved)
         unexpected = sorted(saved - set(expected))
         if missing:
-            report.problems.append(f"{len(missing)} of {len(expected)} expected tensors are missing, e.g. {missing[:3]}")
+            report.problems.append(f"{len(missing)} of {len(expected)} expected tensors are missing, "
+                                   f"e.g. {missing[:3]}")
         if unexpected:
-            report.problems.append(f"{len(unexpected)} tensors the adapter config does not explain, e.g. {unexpected[:3]}")
+            report.problems.append(f"{len(unexpected)} tensors the adapter config does not explain, "
+                                   f"e.g. {unexpected[:3]}")
         for key in sorted(saved & set(expected)):
             tensor = f.get_tensor(key)
             if tuple(tensor.shape) != expected[key]:

@@ -126,7 +126,8 @@ def resume_layout_problems(checkpoint: str | None, per_device_batch_size: int, a
         return []
     fix = ""
     if saved % (per_device_batch_size * world_size) == 0:
-        fix = f" Fix: --gradient_accumulation_steps {saved // (per_device_batch_size * world_size)} on {world_size} ranks"
+        accumulation = saved // (per_device_batch_size * world_size)
+        fix = f" Fix: --gradient_accumulation_steps {accumulation} on {world_size} ranks"
     elif saved % world_size == 0:
         fix = f" Fix: a per-rank batch x accumulation of {saved // world_size} on {world_size} ranks"
     else:

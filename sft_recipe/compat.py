@@ -9,7 +9,7 @@ import contextlib
 import logging
 import os
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -67,7 +67,8 @@ def locate_splits(data_args: DataTrainingArguments) -> tuple[dict[str, tuple[str
                     present = sorted(p.name for p in root.iterdir())
                     problems.append(
                         f"--dataset_name {root}: no split '{split}' there (looked for a save_to_disk folder "
-                        f"'{split}/' or a file {split}.jsonl/.json/.parquet/.csv; found: {present[:10]}). Fix: --splits with "
+                        f"'{split}/' or a file {split}.jsonl/.json/.parquet/.csv; found: {present[:10]}). Fix: "
+                        "--splits with "
                         "the splits that are there."
                     )
                 else:

@@ -49,7 +49,8 @@ def _print_report(result: dict, samples: int) -> None:
     for (prompt, reference, base_answer), (_, _, adapter_answer) in list(
             zip(before["samples"], after["samples"]))[:samples]:
         question = prompt.strip().splitlines()[-2] if prompt.strip().count("\n") else prompt.strip()
-        print(f"\nQ: {question}\n  reference: {reference}\n  base:      {base_answer!r}\n  adapter:   {adapter_answer!r}")
+        print(f"\nQ: {question}\n  reference: {reference}\n  base:      {base_answer!r}\n"
+              f"  adapter:   {adapter_answer!r}")
 
 
 def main(argv: list[str] | None = None) -> int:

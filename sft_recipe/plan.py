@@ -1011,7 +1011,8 @@ def render_guide_comparison(plans: dict[str, MemoryPlan] | None = None) -> str:
         lines.append(f"  {key:<22}{plan.peak_gib:>10.1f}{pub:>12}{legacy:>27.1f}   {plan.setup}")
     host = plans["qlora-2x24-offload"].host_peak_bytes / GIB
     row = {r.name: r.bytes for r in plans["qlora-2x24-offload"].host_rows}
-    upstream_host = (row["runtime"] + max(row["loading"], row.get("offloaded shards", 0) + row[UPSTREAM_SAVE_ROW])) / GIB
+    upstream_save = row.get("offloaded shards", 0) + row[UPSTREAM_SAVE_ROW]
+    upstream_host = (row["runtime"] + max(row["loading"], upstream_save)) / GIB
     lines.append(f"  host RAM, QLoRA + offload: predicted {host:.0f} GiB here (runtime, one loaded copy, offloaded "
                  f"shards, the adapter-only save); {upstream_host:.0f} GiB on upstream's path (its final "
                  f"FULL_STATE_DICT gather), published ~{PUBLISHED['qlora-2x24-offload']['host_gib']:g} GB")

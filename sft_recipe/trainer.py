@@ -23,9 +23,18 @@ from .checkpoints import checkpoint_layout, mark_complete
 from .gather import adapter_state_keys, fsdp1_sharded_adapter_state
 from .model import materialize_meta_parameters
 from .report import RssWatch, live_tensor_mib, save_cost, unsharded_fsdp2_params
-from .state_io import (OPTIMIZER_FILE, SCHEDULER_FILE, load_optimizer, load_rng_state, load_scheduler,
-                       rng_state_file, save_optimizer, save_rng_state, save_scheduler, unsafe_dcp_metadata)
-
+from .state_io import (
+    OPTIMIZER_FILE,
+    SCHEDULER_FILE,
+    load_optimizer,
+    load_rng_state,
+    load_scheduler,
+    rng_state_file,
+    save_optimizer,
+    save_rng_state,
+    save_scheduler,
+    unsafe_dcp_metadata,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +119,8 @@ class RecipeSFTTrainer(SFTTrainer):
             self.accelerator.wait_for_everyone()
         self.checkpoint_save_costs.append(save_cost(self.accelerator, watch))
         if self.accelerator.is_main_process:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            folder = os.path.join(self._get_output_dir(trial=trial),
+                                  f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             args = self.args
             mark_complete(folder, self.state.global_step, world_size=args.world_size, global_batch_size=(
                 args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size))

@@ -49,7 +49,8 @@ def _model_problems(m: ModelArguments, t) -> list[str]:
                             "--bnb_4bit_quant_storage_dtype bfloat16 (with --bf16 True) or float32.")
         elif storage == "bfloat16" and not t.bf16:
             problems.append("--bnb_4bit_quant_storage_dtype bfloat16 loads the model in bfloat16, but --bf16 is off "
-                            "(fp16/fp32 training). Fix: --bf16 True, or (FSDP2) --bnb_4bit_quant_storage_dtype float32.")
+                            "(fp16/fp32 training). Fix: --bf16 True, or (FSDP2) --bnb_4bit_quant_storage_dtype "
+                            "float32.")
     if m.use_flash_attn:
         problem = flash_attn_problem()
         if problem:
@@ -275,8 +276,9 @@ def _training_problems(m: ModelArguments, d: DataTrainingArguments, r: RecipeArg
                         "with torch.save pickles. The final adapter is a full adapter whatever this setting. Fix: "
                         "fsdp_state_dict_type: SHARDED_STATE_DICT (every shipped config), or --save_strategy no.")
     resume_from, resume_problems = resolve_resume(t.resume_from_checkpoint, t.output_dir)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     problems += resume_problems + resume_layout_problems(resume_from, t.per_device_train_batch_size,
-                                                         t.gradient_accumulation_steps, int(os.environ.get("WORLD_SIZE", "1")))
+                                                         t.gradient_accumulation_steps, world_size)
     previous = previous_results(t.output_dir)
     if previous and not t.resume_from_checkpoint and not r.overwrite_output_dir:
         problems.append(f"--output_dir {t.output_dir} holds a previous run ({', '.join(previous[:4])}). Fix: "

@@ -96,6 +96,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def pytest_collection_modifyitems(items):
+    """Mark each test by where it lives (markers are declared in pyproject.toml): `-m unit` is the fast lane."""
+    for item in items:
+        parts = Path(str(item.fspath)).relative_to(REPO / "tests").parts
+        item.add_marker({"unit": pytest.mark.unit, "e2e": pytest.mark.e2e}.get(parts[0], pytest.mark.cli))
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """The embedded default (tiny Llama + tokenizer + chat data), built once per test session."""

@@ -38,7 +38,8 @@ def test_throughput_table_reports_sharing_and_loading(capsys):
             {"name": "lora-fsdp2", "what": "", "ranks": 2, "tokens_per_second": 70.0, "model_state": [150.0, 150.0],
              "after_load": [290.0, 0.0], "after_load_file": [10.0, 10.0], "peak_rss": [1200.0, 1100.0]},
             {"name": "lora-fsdp2-full-load", "what": "", "ranks": 2, "tokens_per_second": 70.0,
-             "model_state": [150.0, 150.0], "after_load": [290.0, 290.0], "after_load_file": [10.0, 10.0], "peak_rss": [1300.0, 1300.0]}]
+             "model_state": [150.0, 150.0], "after_load": [290.0, 290.0], "after_load_file": [10.0, 10.0],
+             "peak_rss": [1300.0, 1300.0]}]
     print_table(rows)
     out = capsys.readouterr().out
     assert "lora-fsdp2: model state per rank = 0.50 / 0.50 of one process (ideal 1/2)" in out

@@ -1,8 +1,8 @@
 """bench/gpu_check.sh cannot rot: its CPU smoke runs every step's real command (accelerate launch / run_peft.sh /
 train.py) on the tiny model, reads what train.py wrote, asks the memory plan, and prints the table the GPU run prints.
-On CPU the offload step is refused up front (offloading needs a GPU; the LoRA one is not launched again), the upstream row is skipped (upstream's
-train.py is not in this repo) and so is the GPTQ row (its libraries are not on the suite's path; with
-PYTHONPATH=.venv/gptq-site it runs and passes, 20 s): the table must say so rather than fail."""
+On CPU the offload step is refused up front (offloading needs a GPU; the LoRA one is not launched again), the
+upstream row is skipped (upstream's train.py is not in this repo) and so is the GPTQ row (its libraries are not on
+the suite's path; with PYTHONPATH=.venv/gptq-site it runs and passes, 20 s): the table must say so rather than fail."""
 
 from __future__ import annotations
 

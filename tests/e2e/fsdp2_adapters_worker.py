@@ -49,8 +49,13 @@ def main() -> None:
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from sft_recipe.adapters_fsdp2 import (adapter_parameters, check_optimizer_covers, disable_adapter_fsdp2,
-                                           set_adapter_fsdp2, set_requires_grad_fsdp2)
+    from sft_recipe.adapters_fsdp2 import (
+        adapter_parameters,
+        check_optimizer_covers,
+        disable_adapter_fsdp2,
+        set_adapter_fsdp2,
+        set_requires_grad_fsdp2,
+    )
 
     torch.manual_seed(0)
     # The unsharded base model, loaded before the process group exists so that every rank gets real weights.

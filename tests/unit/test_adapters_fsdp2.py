@@ -14,8 +14,14 @@ import torch
 from torch import nn
 
 from sft_recipe import adapters_fsdp2
-from sft_recipe.adapters_fsdp2 import (adapter_parameters, check_optimizer_covers, disable_adapter_fsdp2,
-                                       reshard_fsdp2_units, set_adapter_fsdp2, set_requires_grad_fsdp2)
+from sft_recipe.adapters_fsdp2 import (
+    adapter_parameters,
+    check_optimizer_covers,
+    disable_adapter_fsdp2,
+    reshard_fsdp2_units,
+    set_adapter_fsdp2,
+    set_requires_grad_fsdp2,
+)
 
 TARGETS = ["fc1", "fc2"]
 # PEFT warns that the name "a" occurs in the "lora_" prefix, which matters only when loading saved adapters by key;

@@ -3,8 +3,13 @@
 import pytest
 
 from sft_recipe.args import ConfigError, parse_args
-from sft_recipe.checkpoints import (COMPLETE_MARKER, latest_complete_checkpoint, mark_complete,
-                                    move_previous_run_aside, resolve_resume)
+from sft_recipe.checkpoints import (
+    COMPLETE_MARKER,
+    latest_complete_checkpoint,
+    mark_complete,
+    move_previous_run_aside,
+    resolve_resume,
+)
 from sft_recipe.validate import validate
 
 

@@ -15,8 +15,15 @@ import torch
 from safetensors import safe_open
 
 from sft_recipe import merge
-from sft_recipe.merge import (MergeError, check_problem, main, merge_adapter, merge_and_unload_unsharded,
-                              plan_merge, refuse_merge_in_fsdp)
+from sft_recipe.merge import (
+    MergeError,
+    check_problem,
+    main,
+    merge_adapter,
+    merge_and_unload_unsharded,
+    plan_merge,
+    refuse_merge_in_fsdp,
+)
 
 FP32_ATOL = 1e-5
 

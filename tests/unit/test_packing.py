@@ -36,7 +36,8 @@ def test_packed_and_unpacked_losses_agree_per_token(tiny, attention):
         # when no KV cache is in play (with a cache, packed documents would silently attend to each other).
         packed_logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                               use_cache=False).logits[0]
-        naive_logits = model(input_ids=batch["input_ids"], use_cache=False).logits[0]  # positions run on, attention crosses documents
+        # positions run on, attention crosses documents
+        naive_logits = model(input_ids=batch["input_ids"], use_cache=False).logits[0]
 
     start, naive_gap = 0, 0.0
     for doc, expected in zip(docs, alone):

@@ -17,8 +17,19 @@ import pytest
 import torch
 
 from sft_recipe.args import ConfigError
-from sft_recipe.plan import (GIB, PUBLISHED, Distribution, activation_bytes_per_token_per_layer, fit_ladder,
-                             guide_plans, main, model_shape, parse_train_flags, plan_memory, render_guide_comparison)
+from sft_recipe.plan import (
+    GIB,
+    PUBLISHED,
+    Distribution,
+    activation_bytes_per_token_per_layer,
+    fit_ladder,
+    guide_plans,
+    main,
+    model_shape,
+    parse_train_flags,
+    plan_memory,
+    render_guide_comparison,
+)
 from tests.conftest import REPO, launch_env
 
 LLAMA_70B = str(REPO / "configs" / "models" / "llama-2-70b")

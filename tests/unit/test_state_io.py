@@ -12,8 +12,15 @@ import pytest
 import torch
 
 from sft_recipe.checkpoints import mark_complete, resolve_resume
-from sft_recipe.state_io import (load_optimizer, load_rng_state, load_scheduler, save_optimizer, save_rng_state,
-                                 save_scheduler, unsafe_dcp_metadata)
+from sft_recipe.state_io import (
+    load_optimizer,
+    load_rng_state,
+    load_scheduler,
+    save_optimizer,
+    save_rng_state,
+    save_scheduler,
+    unsafe_dcp_metadata,
+)
 
 
 def _draws():
