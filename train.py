@@ -14,48 +14,40 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from sft_recipe import compat
+import torch
+import torch.distributed as dist
+import transformers  # lazy: its submodules load after sft_recipe set the library log levels (sft_recipe/__init__)
+
+from sft_recipe import compat, data_report
+from sft_recipe.adapter import save_final_adapter
 from sft_recipe.args import ConfigError, parse_args
+from sft_recipe.checkpoints import move_previous_run_aside, resolve_resume
+from sft_recipe.data import dataset_flag_notes, prepare, read_splits
+from sft_recipe.gptq import checkpoint_quant_method  # a GPTQ base is recorded as quantization "gptq"
+from sft_recipe.metrics import attach_throughput, quiet_other_ranks
+from sft_recipe.model import added_token_ids, load_model, load_tokenizer, lora_config, untrained_token_note
+from sft_recipe.plan import plan_memory
+from sft_recipe.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_FILE, Preempted, PreemptionCallback
+from sft_recipe.report import RunFacts
+from sft_recipe.trainer import RecipeSFTTrainer
+from sft_recipe.validate import validate
 
 logger = logging.getLogger("train")
 
 
 def main(argv: list[str] | None = None) -> None:
-    # 1. Arguments: parse, make FSDP real on CPU if asked, check everything before any weight is loaded.
+    # 1. Arguments: parse (derived settings resolved there), make FSDP real on CPU if asked, check everything before
+    #    any weight is loaded. Nothing below changes them.
     model_args, data_args, recipe_args, training_args = parse_args(argv)
     compat.enable_fsdp_on_cpu()
-    from sft_recipe.metrics import quiet_other_ranks
-
     quiet_other_ranks()  # one set of progress bars, not one per rank
-    from sft_recipe.validate import validate
-
     validate(model_args, data_args, recipe_args, training_args)
     if recipe_args.plan_memory_gib:  # will it fit? answered from the model config alone, then exit
         print_memory_plan_and_exit(model_args, data_args, recipe_args, training_args)
-    from sft_recipe.checkpoints import move_previous_run_aside, resolve_resume
-
     resume_from = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)[0]
     if recipe_args.overwrite_output_dir and not resume_from and os.environ.get("RANK", "0") == "0":
         move_previous_run_aside(training_args.output_dir)
-    if training_args.push_to_hub and recipe_args.defer_push_to_hub:
-        training_args.push_to_hub = False
-    # transformers 5.24 reads activation_checkpointing_kwargs while TRL 1.16 still reads the old name: set both.
-    training_args.activation_checkpointing_kwargs = {"use_reentrant": model_args.use_reentrant}
-    training_args.gradient_checkpointing_kwargs = training_args.activation_checkpointing_kwargs
-
-    from transformers import set_seed
-
-    from sft_recipe import data_report
-    from sft_recipe.adapter import save_final_adapter
-    from sft_recipe.data import dataset_flag_notes, prepare, read_splits
-    from sft_recipe.gptq import checkpoint_quant_method  # a GPTQ base is recorded as quantization "gptq"
-    from sft_recipe.metrics import attach_throughput
-    from sft_recipe.model import added_token_ids, load_model, load_tokenizer, lora_config, untrained_token_note
-    from sft_recipe.preemption import PREEMPTED_FILE, PreemptionCallback
-    from sft_recipe.report import RunFacts
-    from sft_recipe.trainer import RecipeSFTTrainer
-
-    set_seed(training_args.seed)
+    transformers.set_seed(training_args.seed)
 
     # 2. Tokenizer (it carries the chat template the data needs) and data: format recognised, every row checked,
     #    converted for TRL, measured as TRL will tokenize it -- all before any weight is loaded.
@@ -126,18 +118,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def print_preview_and_exit(data, report, tokenizer, training_args, count: int) -> None:
-    from sft_recipe.data_report import preview
-
     if os.environ.get("RANK", "0") == "0":
-        print(preview(data, tokenizer, training_args, count), report.render(), sep="\n\n", flush=True)
+        print(data_report.preview(data, tokenizer, training_args, count), report.render(), sep="\n\n", flush=True)
     raise SystemExit(0)
 
 
 def print_memory_plan_and_exit(model_args, data_args, recipe_args, training_args) -> None:
-    import torch
-
-    from sft_recipe.plan import plan_memory
-
     device = "cuda" if torch.cuda.is_available() and not training_args.use_cpu else "cpu"
     plan = plan_memory(model_args, data_args, training_args, accelerate_config="env",
                        gpu_memory_gib=recipe_args.plan_memory_gib, device=device)
@@ -148,8 +134,6 @@ def print_memory_plan_and_exit(model_args, data_args, recipe_args, training_args
 
 def run() -> int:
     """Entry point: user mistakes exit 2 with the list of problems and no traceback; a preempted run exits 75."""
-    from sft_recipe.preemption import PREEMPTED_EXIT_CODE, Preempted
-
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
     main_rank = os.environ.get("RANK", "0") == "0"
     try:
@@ -170,8 +154,6 @@ def run() -> int:
 def close_process_group() -> None:
     """Tear the process group down before exit: left to interpreter shutdown, gloo's threads can abort the process
     ("terminate called without an active exception", SIGABRT) after a successful run, turning it into a failure."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

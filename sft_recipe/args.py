@@ -302,7 +302,19 @@ def parse_args(argv: list[str] | None = None):
                            "the value argparse names there."]) from None
     except ValueError as e:  # a dataclass __post_init__ refused a value
         raise ConfigError([f"{e}. Fix: change the setting named here (`python train.py --help`)."]) from None
+    resolve_derived_settings(model_args, recipe_args, training_args)
     return model_args, data_args, recipe_args, training_args
+
+
+def resolve_derived_settings(model_args: ModelArguments, recipe_args: RecipeArguments, training_args) -> None:
+    """Settings that follow from others, decided once here so that nothing changes the arguments after they are
+    validated: `--defer_push_to_hub` trains without the Hub (the upload command is printed at the end), and the
+    checkpointing implementation (`--use_reentrant`) goes where transformers 5.24 reads it
+    (activation_checkpointing_kwargs) and where TRL 1.16 still reads it (gradient_checkpointing_kwargs)."""
+    if training_args.push_to_hub and recipe_args.defer_push_to_hub:
+        training_args.push_to_hub = False
+    training_args.activation_checkpointing_kwargs = {"use_reentrant": model_args.use_reentrant}
+    training_args.gradient_checkpointing_kwargs = training_args.activation_checkpointing_kwargs
 
 
 def hardware_defaults(argv: list[str], yaml_values: dict[str, Any], problems: list[str]) -> dict[str, Any]:
