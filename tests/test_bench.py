@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO, launch_env
+from tests.helpers import REPO, launch_env
 
 
 def _bench(*args, timeout=300):

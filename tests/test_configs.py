@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from sft_recipe.args import build_parser, known_option_names, parse_args, read_recipe_yaml
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 ACCELERATE_YAMLS = sorted((REPO / "configs").rglob("*.yaml"))
 RECIPE_YAMLS = sorted((REPO / "recipes").rglob("*.yaml"))

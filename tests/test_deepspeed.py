@@ -16,8 +16,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, launch_env, launch_train, run_command
-from tests.e2e.test_parity import RELATIVE_TOLERANCE
+from tests.helpers import RELATIVE_TOLERANCE, REPO, launch_env, launch_train, run_command
 
 # Upstream's examples/sft configs, key for key (PEFT "DeepSpeed" guide).
 UPSTREAM_COMMON = {

@@ -19,7 +19,7 @@ import pytest
 
 from sft_recipe.args import ConfigError, parse_args
 from sft_recipe.validate import validate
-from tests.conftest import REPO, launch_env, run_command
+from tests.helpers import REPO, launch_env, run_command
 
 SITE = REPO / ".venv" / "gptq-site"
 TINY = ["--use_flash_attn", "False", "--bf16", "False", "--max_steps", "2", "--max_seq_len", "128",

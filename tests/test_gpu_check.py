@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 
-from tests.conftest import REPO, launch_env, run_command
+from tests.helpers import REPO, launch_env, run_command
 
 
 def test_gpu_check_smoke_prints_one_row_per_step(tmp_path):

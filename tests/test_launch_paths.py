@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from sft_recipe.args import build_parser, parse_args
-from tests.conftest import REPO, launch_env, run_command, script_train_flags
+from tests.helpers import REPO, launch_env, run_command, script_train_flags
 
 LOSS_RELATIVE_TOLERANCE = 2e-4  # bf16 LoRA weights (see above): 2x the measured 9.2e-5
 LORA_B_RELATIVE_NORM = 5e-2
@@ -35,7 +35,7 @@ TINY = ["--use_flash_attn", "False", "--bf16", "False", "--bnb_4bit_compute_dtyp
         "--lora_dropout", "0", "--gradient_accumulation_steps", "1", "--learning_rate", "3e-3"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -57,7 +57,7 @@ def single_and_ddp(tiny, tmp_path_factory):
     # only rank 0's save packs them back, so the frozen-weight checksum would report a change that is not training.
     ddp = run_command(["bash", "run_peft_multigpu.sh", *TINY, "--per_device_train_batch_size", "4",
                        "--eval_strategy", "no"], root / "ddp",
-                      env=_env(tiny, root / "ddp", NPROC_PER_NODE="2", LAUNCH_ARGS=f"--master_port {_free_port()}"))
+                      env=_env(tiny, root / "ddp", NPROC_PER_NODE="2", LAUNCH_ARGS=f"--master_port {free_port()}"))
     assert ddp.returncode == 0, ddp.output[-5000:]
     return single, ddp
 

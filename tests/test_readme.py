@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO, launch_env, run_command
+from tests.helpers import REPO, launch_env, run_command
 
 README = (REPO / "README.md").read_text()
 

@@ -10,7 +10,7 @@ from dataclasses import fields
 import pytest
 
 from sft_recipe.args import parse_args
-from tests.conftest import REPO, launch_env, run_command, script_train_flags
+from tests.helpers import REPO, launch_env, run_command, script_train_flags
 
 TINY_SCALE = ["--use_flash_attn", "False", "--max_steps", "3", "--max_seq_len", "128",
               "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2", "--logging_steps", "1"]

@@ -9,85 +9,15 @@ tests/e2e/test_multinode.py runs the same script with the real launcher and trai
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import JOB_ID, REPO, slurm_env, write_shims
 
 SCRIPT = REPO / "run_peft_slurm.sh"
-JOB_ID = "4242"
-
-FAKE_SRUN = r"""#!/usr/bin/env bash
-# Fake srun: record the options, then start the command once per node, concurrently, with that task's ids.
-printf '%s\n' "$*" >> "$SHIM_LOG/srun.args"
-while [[ "$1" == -* ]]; do shift; done
-pids=()
-for ((i = 0; i < SLURM_NNODES; i++)); do
-  SLURM_PROCID=$i SLURM_NODEID=$i SLURM_LOCALID=0 "$@" &
-  pids+=($!)
-done
-status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
-exit "$status"
-"""
-
-FAKE_SCONTROL = r"""#!/usr/bin/env bash
-# Fake scontrol: `show hostnames LIST` prints SHIM_HOSTS one a line; `requeue JOBID` is recorded.
-case "$1" in
-  show) printf '%s\n' $SHIM_HOSTS ;;
-  requeue) echo "$2" >> "$SHIM_LOG/requeue" ;;
-  *) echo "fake scontrol: unexpected $*" >&2; exit 1 ;;
-esac
-"""
-
-# Fake accelerate: records what one node would launch. SHIM_PREEMPT=1: machine 0 behaves like a preempted run
-# (train.py writes preempted.json; the launcher then exits 1). SHIM_EXIT=N: every node exits N.
-FAKE_ACCELERATE = r"""
-import json, os, signal, sys
-from pathlib import Path
-argv = sys.argv[1:]
-train_args = argv[argv.index("train.py") + 1:]
-output_dir = [train_args[i + 1] for i, a in enumerate(train_args) if a == "--output_dir"][-1]
-rank = os.environ["SLURM_PROCID"]
-record = {"argv": argv, "slurm_procid": rank, "usr1_ignored": signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN}
-Path(os.environ["SHIM_LOG"], f"accelerate-{rank}.json").write_text(json.dumps(record))
-if os.environ.get("SHIM_PREEMPT") == "1" and rank == "0":
-    Path(output_dir).mkdir(parents=True, exist_ok=True)
-    Path(output_dir, "preempted.json").write_text(json.dumps({"signal": "SIGUSR1", "global_step": 7}))
-    sys.exit(1)
-sys.exit(int(os.environ.get("SHIM_EXIT", "0")))
-"""
-
-
-def write_shims(bin_dir: Path, accelerate: bool = True) -> None:
-    """Fake srun and scontrol (and accelerate unless the real one is wanted) in bin_dir."""
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    shims = {"srun": FAKE_SRUN, "scontrol": FAKE_SCONTROL}
-    if accelerate:
-        shims["accelerate"] = f"#!{sys.executable}" + FAKE_ACCELERATE
-    for name, text in shims.items():
-        path = bin_dir / name
-        path.write_text(text)
-        path.chmod(0o755)
-
-
-def slurm_env(tmp_path: Path, nodes: int, hosts: list[str], **extra: str) -> dict[str, str]:
-    """What sbatch sets for a batch job (a subset), plus the shims' log folder, and the shims first on PATH."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(PATH=f"{tmp_path / 'bin'}{os.pathsep}{env['PATH']}", SHIM_LOG=str(tmp_path / "log"),
-               SHIM_HOSTS=" ".join(hosts), SLURM_JOB_ID=JOB_ID, SLURM_NNODES=str(nodes),
-               SLURM_JOB_NODELIST=f"fakelist[{nodes}]", SLURM_SUBMIT_DIR=str(REPO),
-               OUTPUT_DIR=str(tmp_path / "out"))
-    env.update(extra)
-    (tmp_path / "log").mkdir(exist_ok=True)
-    return env
-
-
 def run_script(tmp_path: Path, env: dict, *flags: str) -> subprocess.CompletedProcess:
     write_shims(tmp_path / "bin")
     return subprocess.run(["bash", str(SCRIPT), *flags], cwd=tmp_path, env=env, stdout=subprocess.PIPE,

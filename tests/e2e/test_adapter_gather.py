@@ -18,7 +18,7 @@ import json
 
 import pytest
 
-from tests.conftest import REPO, launch_env, launch_script
+from tests.helpers import REPO, launch_env, launch_script
 
 WORKER = REPO / "tests" / "e2e" / "adapter_gather_worker.py"
 COMBOS = ("lora", "lora-chatml", "qlora", "qlora-chatml")

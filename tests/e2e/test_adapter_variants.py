@@ -12,9 +12,7 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import launch_train
-from tests.e2e.test_parity import RELATIVE_TOLERANCE
-from tests.e2e.test_train import TRAIN_FLAGS
+from tests.helpers import RELATIVE_TOLERANCE, TRAIN_FLAGS, launch_train
 
 
 def _new_token_ids(out, tiny):

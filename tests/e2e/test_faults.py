@@ -18,8 +18,7 @@ import psutil
 import pytest
 
 from sft_recipe.checkpoints import latest_complete_checkpoint
-from tests.conftest import REPO, _bin_dir, _free_port, launch_env, launch_train
-from tests.e2e.test_parity import RELATIVE_TOLERANCE
+from tests.helpers import RELATIVE_TOLERANCE, REPO, bin_dir, free_port, launch_env, launch_train, wait_for_training
 
 FLAGS = ["--use_peft_lora", "True", "--lora_target_modules", "all-linear", "--lora_r", "8", "--lora_alpha", "16",
          "--lora_dropout", "0", "--max_steps", "30", "--max_seq_len", "128", "--report_to", "none",
@@ -29,8 +28,8 @@ CONFIG = "cpu/fsdp2_config.yaml"
 
 
 def _start(tiny, output_dir, extra):
-    cmd = [os.path.join(_bin_dir(), "accelerate"), "launch", "--config_file", str(REPO / "configs" / CONFIG),
-           "--main_process_port", str(_free_port()), "train.py", "--output_dir", str(output_dir),
+    cmd = [os.path.join(bin_dir(), "accelerate"), "launch", "--config_file", str(REPO / "configs" / CONFIG),
+           "--main_process_port", str(free_port()), "train.py", "--output_dir", str(output_dir),
            "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir), *FLAGS, *extra]
     log = open(output_dir.parent / f"{output_dir.name}.log", "w+")
     return subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=log, stderr=subprocess.STDOUT, text=True), log
@@ -49,18 +48,6 @@ def _rank_pid(launcher: subprocess.Popen, rank: int, timeout_s: float = 120) -> 
     raise AssertionError(f"rank {rank} never started")
 
 
-def _wait_for_training(log, steps: int, timeout_s: float = 180) -> None:
-    """Until the run has logged `steps` losses (so the signal lands mid-training)."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        log.seek(0)
-        if log.read().count("'loss'") >= steps:
-            return
-        time.sleep(0.1)
-    log.seek(0)
-    raise AssertionError("training never started:\n" + log.read()[-4000:])
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("faults") / "full"
@@ -76,7 +63,7 @@ def test_signal_on_one_rank_checkpoints_and_resumes_exactly(signum, rank, tiny, 
     launcher, log = _start(tiny, out, ["--save_strategy", "no"])
     try:
         pid = _rank_pid(launcher, rank)
-        _wait_for_training(log, steps=2)
+        wait_for_training(log, steps=2)
         os.kill(pid, signum)
         launcher.wait(timeout=180)
     finally:
@@ -111,7 +98,7 @@ def test_sigkill_of_one_rank_ends_the_run_and_keeps_the_last_checkpoint(tiny, tm
     launcher, log = _start(tiny, out, ["--save_strategy", "steps", "--save_steps", "2", "--ddp_timeout", "60"])
     try:
         pid = _rank_pid(launcher, 1)
-        _wait_for_training(log, steps=5)
+        wait_for_training(log, steps=5)
         os.kill(pid, signal.SIGKILL)
         started = time.time()
         launcher.wait(timeout=120)
@@ -177,7 +164,7 @@ def test_launch_script_exits_75_when_preempted(tiny, tmp_path):
                               cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         pid = _rank_pid(script, 1)
-        _wait_for_training(log, steps=2)
+        wait_for_training(log, steps=2)
         os.kill(pid, signal.SIGTERM)
         script.wait(timeout=180)
     finally:

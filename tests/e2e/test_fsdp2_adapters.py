@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, _bin_dir, _free_port, launch_env, run_command
+from tests.helpers import REPO, bin_dir, free_port, launch_env, run_command
 
 WORKER = REPO / "tests" / "e2e" / "fsdp2_adapters_worker.py"
 STEPS_PER_PHASE = 3  # the worker's phase length
@@ -39,9 +39,9 @@ LAUNCH_TIMEOUT_S = 300
 @pytest.fixture(scope="module")
 def ranks(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2_adapters")
-    cmd = [os.path.join(_bin_dir(), "accelerate"), "launch",
+    cmd = [os.path.join(bin_dir(), "accelerate"), "launch",
            "--config_file", str(REPO / "configs" / "cpu" / "fsdp2_config.yaml"),
-           "--main_process_port", str(_free_port()),
+           "--main_process_port", str(free_port()),
            str(WORKER), "--model_dir", str(tiny.model_dir), "--out_dir", str(out)]
     started_s = time.monotonic()
     result = run_command(cmd, out, env=launch_env(), timeout=LAUNCH_TIMEOUT_S)

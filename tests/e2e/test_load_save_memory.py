@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import launch_env, launch_train
+from tests.helpers import launch_env, launch_train
 
 MEMORY_SLACK_MIB = 64
 FLAGS = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.0",

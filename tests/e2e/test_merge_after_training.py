@@ -17,9 +17,16 @@ import sys
 import torch
 from safetensors import safe_open
 
-from tests.conftest import REPO, _free_port, launch_env, launch_train, run_command
-from tests.e2e.test_train import QLORA_FLAGS, TRAIN_FLAGS
-from tests.unit.test_merge import _reference_and_merged_logits
+from tests.helpers import (
+    QLORA_FLAGS,
+    REPO,
+    TRAIN_FLAGS,
+    free_port,
+    launch_env,
+    launch_train,
+    reference_and_merged_logits,
+    run_command,
+)
 
 FP32_ATOL = 1e-5
 BF16_RELATIVE_TOLERANCE = 5e-2
@@ -50,7 +57,7 @@ def test_fsdp1_lora_adapter_merges_after_training(tiny, tmp_path):
     # Under the launcher, with 2 ranks: refused before anything loads, with the plain command to run instead.
     refused = run_command([os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file",
                            str(REPO / "configs" / "cpu" / "fsdp_config.yaml"), "--main_process_port",
-                           str(_free_port()), "merge_adapter.py", "--adapter_dir", str(out), "--output_dir",
+                           str(free_port()), "merge_adapter.py", "--adapter_dir", str(out), "--output_dir",
                            str(merged_dir)], merged_dir)
     assert refused.returncode != 0 and "WORLD_SIZE=2" in refused.output, refused.output[-3000:]
     assert "run it as a plain command after training" in refused.output and not merged_dir.exists()
@@ -62,7 +69,7 @@ def test_fsdp1_lora_adapter_merges_after_training(tiny, tmp_path):
     base_rows = json.loads((tiny.model_dir / "config.json").read_text())["vocab_size"]
     tokenizer, ids = _check_ids(out, base_rows)
     assert len(tokenizer) > base_rows  # chatml added tokens: the base had to be resized
-    base_logits, reference, merged_logits, model = _reference_and_merged_logits(out, merged_dir, ids)
+    base_logits, reference, merged_logits, model = reference_and_merged_logits(out, merged_dir, ids)
     assert model.get_input_embeddings().weight.shape[0] == len(tokenizer) and model.dtype == torch.float32
     assert (merged_logits - reference).abs().max() < FP32_ATOL
     assert (merged_logits - base_logits).abs().max() > 1e-2  # the trained adapter is in the merged weights
@@ -88,7 +95,7 @@ def test_qlora_adapter_merges_into_the_bf16_base(tiny, tmp_path):
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
 
     _, ids = _check_ids(out, config["vocab_size"])
-    base_logits, reference, merged_logits, model = _reference_and_merged_logits(out, merged_dir, ids,
+    base_logits, reference, merged_logits, model = reference_and_merged_logits(out, merged_dir, ids,
                                                                                 dtype=torch.bfloat16)
     assert model.dtype == torch.bfloat16
     diff = float((merged_logits - reference).abs().max())

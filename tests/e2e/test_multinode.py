@@ -19,10 +19,18 @@ import psutil
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, _bin_dir, _free_port, launch_env, launch_train
-from tests.e2e.test_faults import _wait_for_training
-from tests.e2e.test_parity import RELATIVE_TOLERANCE
-from tests.test_slurm import JOB_ID, slurm_env, write_shims
+from tests.helpers import (
+    JOB_ID,
+    RELATIVE_TOLERANCE,
+    REPO,
+    bin_dir,
+    free_port,
+    launch_env,
+    launch_train,
+    slurm_env,
+    wait_for_training,
+    write_shims,
+)
 
 FLAGS = ["--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0",
          "--lora_target_modules", "all-linear", "--max_steps", "8", "--per_device_train_batch_size", "4",
@@ -35,11 +43,11 @@ MULTI_NODE_CPU_CONFIG = "configs/cpu/multi_node_fsdp_config.yaml"
 def test_two_machines_over_loopback_train_what_one_machine_trains(tiny, tmp_path):
     data = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir)]
     out = tmp_path / "two-machines"
-    port = str(_free_port())
+    port = str(free_port())
     machines = []
     for machine_rank in (0, 1):
         log = open(tmp_path / f"machine-{machine_rank}.log", "w+")
-        cmd = [os.path.join(_bin_dir(), "accelerate"), "launch", "--config_file", str(REPO / MULTI_NODE_CPU_CONFIG),
+        cmd = [os.path.join(bin_dir(), "accelerate"), "launch", "--config_file", str(REPO / MULTI_NODE_CPU_CONFIG),
                "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine_rank),
                "--main_process_ip", "127.0.0.1", "--main_process_port", port,
                "train.py", "--output_dir", str(out), *data, *FLAGS]
@@ -98,7 +106,7 @@ def test_slurm_script_preempted_by_usr1_requeues_then_resumes(tiny, tmp_path):
     def env_for(**extra):
         env = launch_env()
         env.update(slurm_env(tmp_path, 2, ["127.0.0.1", "127.0.0.1"], GPUS_PER_NODE="1",
-                             ACCELERATE_CONFIG=MULTI_NODE_CPU_CONFIG, MAIN_PROCESS_PORT=str(_free_port()),
+                             ACCELERATE_CONFIG=MULTI_NODE_CPU_CONFIG, MAIN_PROCESS_PORT=str(free_port()),
                              MODEL=str(tiny.model_dir), DATASET=str(tiny.jsonl_dir), **extra))
         env["PATH"] = f"{tmp_path / 'bin'}{os.pathsep}{launch_env()['PATH']}"
         return env
@@ -108,7 +116,7 @@ def test_slurm_script_preempted_by_usr1_requeues_then_resumes(tiny, tmp_path):
     script = subprocess.Popen(["bash", str(REPO / "run_peft_slurm.sh"), *cpu_flags], cwd=tmp_path, env=env_for(),
                               stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait_for_training(log, 2)
+        wait_for_training(log, 2)
         step = _step_processes(script)
         assert len(step) >= 4, "two launchers and two ranks"
         for proc in step:

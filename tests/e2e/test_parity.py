@@ -22,9 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import launch_train
+from tests.helpers import RELATIVE_TOLERANCE, launch_train
 
-RELATIVE_TOLERANCE = 1e-5
 FLAGS = ["--use_peft_lora", "True", "--lora_target_modules", "all-linear", "--lora_r", "8", "--lora_alpha", "16",
          "--lora_dropout", "0", "--max_seq_len", "128", "--report_to", "none",
          "--save_strategy", "no", "--eval_strategy", "no", "--logging_steps", "1", "--seed", "3",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import launch_train
+from tests.helpers import launch_train
 
 FLAGS = ["--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0",
          "--lora_target_modules", "all-linear", "--max_steps", "3", "--per_device_train_batch_size", "2",
@@ -34,7 +34,7 @@ def weighty_model(tiny, tmp_path_factory):
 
 def test_fsdp_peak_rss_per_rank_matches_the_plan(tiny, weighty_model, tmp_path):
     from sft_recipe.plan import MIB, parse_train_flags, plan_memory, read_accelerate_config
-    from tests.conftest import REPO
+    from tests.helpers import REPO
 
     args = ["--model_name_or_path", str(weighty_model), "--dataset_name", str(tiny.jsonl_dir), *FLAGS]
     result = launch_train("cpu/fsdp_config.yaml", tmp_path / "run", args)

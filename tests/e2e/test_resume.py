@@ -14,9 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import launch_train
-from tests.e2e.test_parity import RELATIVE_TOLERANCE
-from tests.e2e.test_train import QLORA_FLAGS
+from tests.helpers import QLORA_FLAGS, RELATIVE_TOLERANCE, launch_train
 
 FLAGS = ["--use_peft_lora", "True", "--lora_target_modules", "all-linear", "--lora_r", "8", "--lora_alpha", "16",
          "--lora_dropout", "0", "--max_steps", "8", "--max_seq_len", "128", "--report_to", "none",

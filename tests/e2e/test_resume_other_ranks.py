@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import launch_train
+from tests.helpers import launch_train
 
 RELATIVE_TOLERANCE = 1e-5  # as tests/e2e/test_parity.py
 FLAGS = ["--use_peft_lora", "True", "--lora_target_modules", "all-linear", "--lora_r", "8", "--lora_alpha", "16",

@@ -14,22 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.conftest import launch_env, launch_train
-from tests.e2e.test_parity import RELATIVE_TOLERANCE
-
-TRAIN_FLAGS = [
-    "--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0",
-    "--lora_target_modules", "all-linear", "--max_steps", "8", "--per_device_train_batch_size", "4",
-    "--learning_rate", "3e-3", "--logging_steps", "1", "--packing", "True", "--max_seq_len", "128",
-    "--report_to", "none", "--save_strategy", "no", "--eval_strategy", "no", "--seed", "7",
-    "--gradient_checkpointing", "True", "--use_reentrant", "False",
-]
-QLORA_FLAGS = [
-    "--use_4bit_quantization", "True", "--use_nested_quant", "True", "--bnb_4bit_quant_type", "nf4",
-    "--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16", "True", "--use_reentrant", "True",  # as the guide
-    # fp32 compute: bf16 matmuls are emulated on this CPU (~20x slower); storage stays bf16 as in the guide.
-    "--bnb_4bit_compute_dtype", "float32",
-]
+from tests.helpers import QLORA_FLAGS, RELATIVE_TOLERANCE, TRAIN_FLAGS, launch_env, launch_train
 
 SECRET_TOKEN = "hf_testSECRETtoken0123456789"
 

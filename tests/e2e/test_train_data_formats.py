@@ -12,7 +12,7 @@ import sys
 import pytest
 from safetensors import safe_open
 
-from tests.conftest import REPO, launch_train, run_command
+from tests.helpers import REPO, launch_train, run_command
 
 FLAGS = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "all-linear",
          "--max_steps", "2", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--report_to", "none",

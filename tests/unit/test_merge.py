@@ -24,6 +24,7 @@ from sft_recipe.merge import (
     plan_merge,
     refuse_merge_in_fsdp,
 )
+from tests.helpers import reference_and_merged_logits
 
 FP32_ATOL = 1e-5
 
@@ -64,24 +65,6 @@ def lora_adapter(tiny, tmp_path):
                          tmp_path / "adapter")
 
 
-def _reference_and_merged_logits(adapter_dir, merged_dir, ids, dtype=torch.float32):
-    """(PeftModel(base, adapter) logits, logits of the merged folder loaded the plain way, merged model)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir))
-    base_dir = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
-    if len(tokenizer) > base.get_input_embeddings().weight.shape[0]:
-        base.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir))  # no dtype, no PEFT: what a user does
-    with torch.no_grad():
-        base_logits = base(input_ids=ids).logits.float()
-        reference = PeftModel.from_pretrained(base, str(adapter_dir))(input_ids=ids).logits.float()
-        merged_logits = merged(input_ids=ids).logits.float()
-    return base_logits, reference, merged_logits, merged
-
-
 def _safetensors_keys(folder):
     keys = []
     for path in sorted(folder.glob("*.safetensors")):
@@ -107,7 +90,7 @@ def test_merged_model_reproduces_base_plus_adapter(tiny, tmp_path, variant):
     result = merge_adapter(adapter, out, log=lambda _: None)
 
     ids = torch.arange(0, len(tokenizer)).reshape(1, -1)[:, :96]  # many distinct rows of the vocabulary
-    base_logits, reference, merged_logits, merged = _reference_and_merged_logits(adapter, out, ids)
+    base_logits, reference, merged_logits, merged = reference_and_merged_logits(adapter, out, ids)
     assert (merged_logits - reference).abs().max() < FP32_ATOL
     assert (merged_logits - base_logits).abs().max() > 0.1  # the adapter is in there: not just the base again
     assert merged.dtype == torch.float32 and type(merged).__name__ == "LlamaForCausalLM"
@@ -150,7 +133,7 @@ def test_added_tokens_resize_the_base_to_the_saved_tokenizer(tiny, tmp_path, row
     assert json.loads((out / "config.json").read_text())["vocab_size"] == len(tokenizer)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     ids = torch.tensor([tokenizer("What is the opposite of hot?")["input_ids"] + new_ids])
-    _, reference, merged_logits, merged = _reference_and_merged_logits(adapter, out, ids)
+    _, reference, merged_logits, merged = reference_and_merged_logits(adapter, out, ids)
     assert merged.get_input_embeddings().weight.shape[0] == len(tokenizer)
     assert (merged_logits - reference).abs().max() < FP32_ATOL
     eos = merged.generation_config.eos_token_id

@@ -30,7 +30,7 @@ from sft_recipe.plan import (
     plan_memory,
     render_guide_comparison,
 )
-from tests.conftest import REPO, launch_env
+from tests.helpers import REPO, launch_env
 
 LLAMA_70B = str(REPO / "configs" / "models" / "llama-2-70b")
 KNOBS = {"cuda_context_gib": 1.0, "allocator_reserve": 0.1, "host_runtime_gib": 3.0}

@@ -7,7 +7,7 @@ import pytest
 
 from sft_recipe.args import ConfigError, parse_args
 from sft_recipe.validate import validate
-from tests.conftest import REPO, launch_env
+from tests.helpers import REPO, launch_env
 
 
 def _problems(argv, monkeypatch=None, fsdp=False):

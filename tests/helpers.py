@@ -1,0 +1,236 @@
+"""What the tests share: launching the real recipe, the tiny model's flag sets and tolerances, fake launchers.
+
+Tests import from here (never from each other, never private names from conftest); conftest.py keeps the fixtures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def bin_dir() -> str:
+    return str(Path(sys.executable).parent)
+
+
+def launch_env(cpu_switch: bool = True) -> dict[str, str]:
+    """Environment for a launched run: the venv's tools first on PATH, offline, quiet, one thread per rank."""
+    env = dict(os.environ)
+    env["PATH"] = bin_dir() + os.pathsep + env.get("PATH", "")
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", HF_HUB_DISABLE_TELEMETRY="1")
+    env.pop("HF_TOKEN", None)
+    if cpu_switch:
+        env["ACCELERATE_USE_CPU"] = "true"
+    return env
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    output: str
+    output_dir: Path
+
+    @property
+    def facts(self) -> dict:
+        return json.loads((self.output_dir / "run_facts.json").read_text())
+
+
+def run_command(cmd: list[str], output_dir: Path, env: dict | None = None, timeout: int = 600) -> RunResult:
+    proc = subprocess.run(cmd, cwd=REPO, env=env or launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout)
+    return RunResult(proc.returncode, proc.stdout, output_dir)
+
+
+def launch_train(config: str, output_dir: Path, args: list[str], env: dict | None = None,
+                 launcher_args: tuple[str, ...] = ()) -> RunResult:
+    """`accelerate launch --config_file configs/<config> [launcher_args] train.py ...` through the real launcher."""
+    return launch_script(config, "train.py", ["--output_dir", str(output_dir), *args], output_dir, env,
+                         launcher_args)
+
+
+def launch_script(config: str, script: str, args: list[str], output_dir: Path, env: dict | None = None,
+                  launcher_args: tuple[str, ...] = ()) -> RunResult:
+    """`accelerate launch --config_file configs/<config> [launcher_args] <script> ...` through the real launcher."""
+    cmd = [os.path.join(bin_dir(), "accelerate"), "launch", "--config_file", str(REPO / "configs" / config),
+           "--main_process_port", str(free_port()), *launcher_args, script, *args]
+    return run_command(cmd, output_dir, env)
+
+
+FAKE_LAUNCHER = """#!/usr/bin/env bash
+# Records how a launch script calls its launcher (argv as JSON lines) instead of running anything.
+python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@" >> "$FAKE_LAUNCH_LOG"
+"""
+
+
+def script_train_flags(script: str, tmp_path: Path, **env_overrides: str) -> tuple[list[str], list[str]]:
+    """(launcher words, train.py flags) that `bash <script>` passes, with fake accelerate/torchrun/python recording
+    them: what the script really runs, its shared shell included (scripts/lib/launch_common.sh)."""
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in ("accelerate", "torchrun", "python"):
+        (bin_dir / name).write_text(FAKE_LAUNCHER)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "fake-launch.jsonl"
+    log.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "DATASET", "OUTPUT_DIR", "ACCELERATE_CONFIG",
+                                                              "NUM_PROCESSES", "LAUNCH_ARGS", "PYTHON")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", FAKE_LAUNCH_LOG=str(log), **env_overrides)
+    proc = subprocess.run(["bash", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    (argv,) = [json.loads(line) for line in log.read_text().splitlines()]
+    return argv[:argv.index("train.py")], argv[argv.index("train.py") + 1:]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Parity between setups that should train the same (tests/e2e/test_parity.py measures it).
+RELATIVE_TOLERANCE = 1e-5
+
+TRAIN_FLAGS = [
+    "--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0",
+    "--lora_target_modules", "all-linear", "--max_steps", "8", "--per_device_train_batch_size", "4",
+    "--learning_rate", "3e-3", "--logging_steps", "1", "--packing", "True", "--max_seq_len", "128",
+    "--report_to", "none", "--save_strategy", "no", "--eval_strategy", "no", "--seed", "7",
+    "--gradient_checkpointing", "True", "--use_reentrant", "False",
+]
+QLORA_FLAGS = [
+    "--use_4bit_quantization", "True", "--use_nested_quant", "True", "--bnb_4bit_quant_type", "nf4",
+    "--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16", "True", "--use_reentrant", "True",  # as the guide
+    # fp32 compute: bf16 matmuls are emulated on this CPU (~20x slower); storage stays bf16 as in the guide.
+    "--bnb_4bit_compute_dtype", "float32",
+]
+
+
+def wait_for_training(log, steps: int, timeout_s: float = 180) -> None:
+    """Until the run has logged `steps` losses (so the signal lands mid-training)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        log.seek(0)
+        if log.read().count("'loss'") >= steps:
+            return
+        time.sleep(0.1)
+    log.seek(0)
+    raise AssertionError("training never started:\n" + log.read()[-4000:])
+
+
+def reference_and_merged_logits(adapter_dir, merged_dir, ids, dtype=torch.float32):
+    """(PeftModel(base, adapter) logits, logits of the merged folder loaded the plain way, merged model)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir))
+    base_dir = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
+    if len(tokenizer) > base.get_input_embeddings().weight.shape[0]:
+        base.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir))  # no dtype, no PEFT: what a user does
+    with torch.no_grad():
+        base_logits = base(input_ids=ids).logits.float()
+        reference = PeftModel.from_pretrained(base, str(adapter_dir))(input_ids=ids).logits.float()
+        merged_logits = merged(input_ids=ids).logits.float()
+    return base_logits, reference, merged_logits, merged
+
+
+# Slurm without Slurm: tests/test_slurm.py and tests/e2e/test_multinode.py run run_peft_slurm.sh with these.
+JOB_ID = "4242"
+
+FAKE_SRUN = r"""#!/usr/bin/env bash
+# Fake srun: record the options, then start the command once per node, concurrently, with that task's ids.
+printf '%s\n' "$*" >> "$SHIM_LOG/srun.args"
+while [[ "$1" == -* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NNODES; i++)); do
+  SLURM_PROCID=$i SLURM_NODEID=$i SLURM_LOCALID=0 "$@" &
+  pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit "$status"
+"""
+
+FAKE_SCONTROL = r"""#!/usr/bin/env bash
+# Fake scontrol: `show hostnames LIST` prints SHIM_HOSTS one a line; `requeue JOBID` is recorded.
+case "$1" in
+  show) printf '%s\n' $SHIM_HOSTS ;;
+  requeue) echo "$2" >> "$SHIM_LOG/requeue" ;;
+  *) echo "fake scontrol: unexpected $*" >&2; exit 1 ;;
+esac
+"""
+
+# Fake accelerate: records what one node would launch. SHIM_PREEMPT=1: machine 0 behaves like a preempted run
+# (train.py writes preempted.json; the launcher then exits 1). SHIM_EXIT=N: every node exits N.
+FAKE_ACCELERATE = r"""
+import json, os, signal, sys
+from pathlib import Path
+argv = sys.argv[1:]
+train_args = argv[argv.index("train.py") + 1:]
+output_dir = [train_args[i + 1] for i, a in enumerate(train_args) if a == "--output_dir"][-1]
+rank = os.environ["SLURM_PROCID"]
+record = {"argv": argv, "slurm_procid": rank, "usr1_ignored": signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN}
+Path(os.environ["SHIM_LOG"], f"accelerate-{rank}.json").write_text(json.dumps(record))
+if os.environ.get("SHIM_PREEMPT") == "1" and rank == "0":
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    Path(output_dir, "preempted.json").write_text(json.dumps({"signal": "SIGUSR1", "global_step": 7}))
+    sys.exit(1)
+sys.exit(int(os.environ.get("SHIM_EXIT", "0")))
+"""
+
+
+def write_shims(folder: Path, accelerate: bool = True) -> None:
+    """Fake srun and scontrol (and accelerate unless the real one is wanted) in bin_dir."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shims = {"srun": FAKE_SRUN, "scontrol": FAKE_SCONTROL}
+    if accelerate:
+        shims["accelerate"] = f"#!{sys.executable}" + FAKE_ACCELERATE
+    for name, text in shims.items():
+        path = folder / name
+        path.write_text(text)
+        path.chmod(0o755)
+
+
+def slurm_env(tmp_path: Path, nodes: int, hosts: list[str], **extra: str) -> dict[str, str]:
+    """What sbatch sets for a batch job (a subset), plus the shims' log folder, and the shims first on PATH."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PATH=f"{tmp_path / 'bin'}{os.pathsep}{env['PATH']}", SHIM_LOG=str(tmp_path / "log"),
+               SHIM_HOSTS=" ".join(hosts), SLURM_JOB_ID=JOB_ID, SLURM_NNODES=str(nodes),
+               SLURM_JOB_NODELIST=f"fakelist[{nodes}]", SLURM_SUBMIT_DIR=str(REPO),
+               OUTPUT_DIR=str(tmp_path / "out"))
+    env.update(extra)
+    (tmp_path / "log").mkdir(exist_ok=True)
+    return env
+
+
+def tiny_conversation_as(fmt: str, messages: list[dict], tokenizer=None) -> dict:
+    """One tiny conversation (system?, user, assistant) as a row of another dataset format."""
+    *context, answer = messages
+    if fmt == "messages":
+        return {"messages": messages}
+    if fmt == "sharegpt":
+        names = {"user": "human", "assistant": "gpt", "system": "system"}
+        return {"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in messages]}
+    if fmt == "alpaca":
+        system = [m["content"] for m in context if m["role"] == "system"]
+        return {"instruction": context[-1]["content"], "input": "", "output": answer["content"],
+                **({"system": system[0]} if system else {})}
+    if fmt == "prompt_completion_chat":
+        return {"prompt": context, "completion": [answer]}
+    if fmt == "prompt_completion":  # standard: the prompt as the chat template renders it, up to the answer
+        return {"prompt": tokenizer.apply_chat_template(context, add_generation_prompt=True, tokenize=False),
+                "completion": answer["content"]}
+    raise ValueError(fmt)
