@@ -14,6 +14,8 @@ import time
 import torch
 from transformers import TrainerCallback
 
+from . import compat
+
 RUN_FACTS = "run_facts.json"
 
 
@@ -212,6 +214,7 @@ class RunFacts(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         accelerator = self.trainer.accelerator
+        compat.restore_bnb_4bit_storage_layout(self.trainer.model_wrapped)  # CPU evals re-lay out 4-bit bytes
         checksums_after = _all_ranks_sum(accelerator, _local_sums(self.trainer.model_wrapped))
         before = self.facts["checksums_before"]
         self.facts.update(
