@@ -6,10 +6,10 @@ gathers the adapter two ways: ours, and upstream's full FULL_STATE_DICT gather. 
 - the adapter PEFT would save from ours is byte-for-byte the one from the full gather (keys, dtypes, bytes);
 - ours gathered nothing but those tensors (the full gather held every weight);
 - after a resize, the embedding and LM-head rows are among them.
-On the FSDP engines the launch also runs a 1024x4 Llama (149 MiB fp32) with MALLOC_MMAP_THRESHOLD_=65536, so that
-anonymous RSS follows live tensor bytes (report.RssWatch): rank 0's added memory for our gather must stay within
-2 x adapter bytes + 64 MiB, while the full gather -- the negative control that shows the probe can see a gather --
-adds at least 80 % of the model's bytes.
+On the FSDP and ZeRO-3 engines the launch also runs a 1024x4 Llama (149 MiB fp32) with MALLOC_MMAP_THRESHOLD_=65536,
+so that anonymous RSS follows live tensor bytes (report.RssWatch): rank 0's added memory for our gather must stay
+within 2 x adapter bytes + 64 MiB, while the full gather -- the negative control that shows the probe can see a
+gather -- adds at least 80 % of the model's bytes.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_adapter_only_gather_is_bit_identical_and_small(engine, tiny, bench_mode
         pytest.importorskip("deepspeed")
     config, extra, cpu_switch = ENGINES[engine]
     env = launch_env(cpu_switch=cpu_switch)
-    measure_memory = engine in ("fsdp1", "fsdp2")
+    measure_memory = engine in ("fsdp1", "fsdp2", "deepspeed")
     if measure_memory:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     args = ["--model_dir", str(tiny.model_dir), "--out_dir", str(tmp_path), "--combos", ",".join(COMBOS), *extra]
