@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="two tiny sizes, LoRA, FSDP2 only")
     parser.add_argument("--json", default=None, help="also write every measurement to this file")
     args = parser.parse_args(argv)
+    # The plan parses the same flags as the runs, bf16 included (QLoRA under FSDP1): the CPU switch allows it.
+    os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     sizes = SIZES["smoke" if args.smoke else "full"]
     engines = ["fsdp2"] if args.smoke else list(ENGINES)
     methods = ["lora"] if args.smoke else ["lora", "qlora"]
