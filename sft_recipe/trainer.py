@@ -19,6 +19,7 @@ from trl import SFTTrainer
 
 from . import compat
 from .adapter import save_final_adapter
+from .adapters_fsdp2 import reshard_fsdp2_units
 from .checkpoints import checkpoint_layout, mark_complete
 from .gather import adapter_state_keys, fsdp1_sharded_adapter_state
 from .model import materialize_meta_parameters
@@ -58,21 +59,11 @@ class ReshardAfterEvaluation(TrainerCallback):
         self.unsharded_params_seen = 0  # most parameters an evaluation left unsharded (for the run record)
 
     def on_evaluate(self, args, state, control, model=None, **kwargs):
-        if reshard_fsdp2_units(model, reshard=False):
-            self.unsharded_params_seen = max(self.unsharded_params_seen, unsharded_fsdp2_params(model))
-            reshard_fsdp2_units(model)
-
-
-
-
-def reshard_fsdp2_units(model, *, reshard: bool = True) -> int:
-    """Reshard every FSDP2 unit of `model` (a no-op for units already sharded); returns how many units there are."""
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)] if model is not None else []
-    for unit in units if reshard else ():
-        unit.reshard()
-    return len(units)
+        if model is None:
+            return
+        unsharded = unsharded_fsdp2_params(model)  # counted before resharding: what the evaluation left gathered
+        if reshard_fsdp2_units(model):  # 0 units: not FSDP2, nothing was counted that matters
+            self.unsharded_params_seen = max(self.unsharded_params_seen, unsharded)
 
 
 class RecipeSFTTrainer(SFTTrainer):
