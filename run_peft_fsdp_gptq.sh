@@ -11,7 +11,7 @@
 # into the int4 base: merge it into the original bf16 model (python merge_adapter.py --base_model_name_or_path ...).
 # Tiny CPU dry run (no GPU, no Hub), as tests/test_gptq.py does:
 #   python -m sft_recipe.tiny --output_dir .tiny && bash scripts/setup_gptq.sh
-#   PYTHONPATH=.venv/gptq-site .venv/bin/python -m sft_recipe.gptq --build_tiny .tiny/gptq
+#   PYTHONPATH=.venv/gptq-site .venv/bin/python -m sft_recipe.train.gptq --build_tiny .tiny/gptq
 #   PYTHONPATH=.venv/gptq-site ACCELERATE_USE_CPU=true ACCELERATE_CONFIG=configs/cpu/fsdp_config.yaml NUM_PROCESSES=2 \
 #     MODEL=.tiny/gptq DATASET=.tiny/data/jsonl OUTPUT_DIR=runs/gptq-dry bash run_peft_fsdp_gptq.sh \
 #     --use_flash_attn False --bf16 False --max_steps 3 --max_seq_len 128

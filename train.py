@@ -18,34 +18,37 @@ import torch
 import torch.distributed as dist
 import transformers  # lazy: its submodules load after sft_recipe set the library log levels (sft_recipe/__init__)
 
-from sft_recipe import compat, data_report
-from sft_recipe.adapter import save_final_adapter
-from sft_recipe.args import ConfigError, parse_args
-from sft_recipe.checkpoints import move_previous_run_aside, resolve_resume
-from sft_recipe.data import dataset_flag_notes, prepare, read_splits
-from sft_recipe.gptq import checkpoint_quant_method  # a GPTQ base is recorded as quantization "gptq"
-from sft_recipe.metrics import attach_throughput, quiet_other_ranks
-from sft_recipe.model import added_token_ids, load_model, load_tokenizer, lora_config, untrained_token_note
+from sft_recipe import compat
+from sft_recipe.artifacts.adapter import save_final_adapter
+from sft_recipe.artifacts.checkpoints import move_previous_run_aside, resolve_resume
+from sft_recipe.config.args import ConfigError, parse_args
+from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
+from sft_recipe.config.validate import validate
+from sft_recipe.data import report as data_report
+from sft_recipe.data.prepare import dataset_flag_notes, prepare, read_splits
+from sft_recipe.logs import quiet_other_ranks
 from sft_recipe.plan import plan_memory
-from sft_recipe.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_FILE, Preempted, PreemptionCallback
-from sft_recipe.report import RunFacts
-from sft_recipe.trainer import RecipeSFTTrainer
-from sft_recipe.validate import validate
+from sft_recipe.train.gptq import checkpoint_quant_method  # a GPTQ base is recorded as quantization "gptq"
+from sft_recipe.train.model import added_token_ids, load_model, load_tokenizer, lora_config, untrained_token_note
+from sft_recipe.train.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_FILE, Preempted, PreemptionCallback
+from sft_recipe.train.record import RunRecord
+from sft_recipe.train.trainer import RecipeSFTTrainer
 
 logger = logging.getLogger("train")
 
 
-def main(argv: list[str] | None = None) -> None:
-    # 1. Arguments: parse (derived settings resolved there), make FSDP real on CPU if asked, check everything before
-    #    any weight is loaded. Nothing below changes them.
-    model_args, data_args, recipe_args, training_args = parse_args(argv)
-    compat.enable_fsdp_on_cpu()
-    quiet_other_ranks()  # one set of progress bars, not one per rank
-    validate(model_args, data_args, recipe_args, training_args)
+def main(argv: list[str] | None, launch: LaunchEnv) -> None:
+    # 1. Arguments: parse (derived settings resolved there) for this launch (the launcher's environment, read once),
+    #    install the library workarounds (FSDP made real on CPU among them), check everything before any weight is
+    #    loaded. Nothing below changes them.
+    model_args, data_args, recipe_args, training_args = parse_args(argv, launch)
+    compat.install(launch)
+    quiet_other_ranks(launch)  # one set of progress bars and warnings, not one per rank
+    validate(model_args, data_args, recipe_args, training_args, launch)
     if recipe_args.plan_memory_gib:  # will it fit? answered from the model config alone, then exit
-        print_memory_plan_and_exit(model_args, data_args, recipe_args, training_args)
+        print_memory_plan_and_exit(model_args, data_args, recipe_args, training_args, launch)
     resume_from = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)[0]
-    if recipe_args.overwrite_output_dir and not resume_from and os.environ.get("RANK", "0") == "0":
+    if recipe_args.overwrite_output_dir and not resume_from and launch.is_main_process:
         move_previous_run_aside(training_args.output_dir)
     transformers.set_seed(training_args.seed)
 
@@ -60,12 +63,13 @@ def main(argv: list[str] | None = None) -> None:
         logger.warning(note)
     report = data_report.measure(data, tokenizer, training_args)
     if data_args.preview_examples:  # show what is trained (loss-carrying tokens marked) and the report, then exit
-        print_preview_and_exit(data, report, tokenizer, training_args, data_args.preview_examples)
-    data_report.publish(report, training_args.output_dir)  # one block in the log + output_dir/data_report.json
+        print_preview_and_exit(data, report, tokenizer, training_args, data_args.preview_examples, launch)
+    # One block in the log + output_dir/data_report.json.
+    data_report.publish(report, training_args.output_dir, launch.is_main_process)
     datasets = data.datasets
 
     # 3. Model, sized to the tokenizer; SFTTrainer wraps it with the LoRA config and FSDP.
-    model = load_model(model_args, training_args, tokenizer)
+    model = load_model(model_args, training_args, tokenizer, launch)
     new_token_ids = added_token_ids(model_args, tokenizer, training_args.trust_remote_code)
     if note := untrained_token_note(model_args, new_token_ids):
         logger.warning(note)
@@ -80,10 +84,9 @@ def main(argv: list[str] | None = None) -> None:
         peft_config=lora_config(model_args, new_token_ids),
         verify_adapter=recipe_args.verify_adapter,
     )
-    data_report.confirm(report, trainer.train_dataset, training_args.output_dir)  # the trainer's own counts
-    throughput = attach_throughput(trainer, recipe_args.peak_tflops_per_device)  # tokens/s, MFU, peak memory
-    facts, preemption = RunFacts(trainer), PreemptionCallback(trainer)
-    trainer.add_callback(facts)
+    data_report.confirm(report, trainer.train_dataset, training_args.output_dir, launch.is_main_process)
+    record = RunRecord.attach(trainer, recipe_args.peak_tflops_per_device)  # how it ran, tokens/s, memory, losses
+    preemption = PreemptionCallback(trainer)
     trainer.add_callback(preemption)
     if model_args.use_peft_lora and trainer.accelerator.is_main_process:
         trainer.model.print_trainable_parameters()
@@ -93,18 +96,16 @@ def main(argv: list[str] | None = None) -> None:
     preemption.raise_if_preempted(training_args.output_dir)
 
     # 6. Save the FULL_STATE_DICT adapter (all ranks take part) and verify it before it replaces anything.
-    save_final_adapter(trainer, training_args.output_dir, verify=recipe_args.verify_adapter,
-                       trust_remote_code=training_args.trust_remote_code)
+    final_save = save_final_adapter(trainer, training_args.output_dir, verify=recipe_args.verify_adapter,
+                                    trust_remote_code=training_args.trust_remote_code)
     # quantization: merge_adapter.py reads it to merge a QLoRA/GPTQ adapter into the bf16 base, never the 4-bit one.
-    facts.write(training_args.output_dir, model_name_or_path=model_args.model_name_or_path,
-                dataset_name=data_args.dataset_name,
-                quantization="4bit" if model_args.use_4bit_quantization else
-                "8bit" if model_args.use_8bit_quantization else
-                checkpoint_quant_method(model_args.model_name_or_path, training_args.trust_remote_code),
-                final_save=getattr(trainer, "last_save_cost", None))
-    throughput.write_summary(training_args.output_dir, trainer.state, config={
-        "model": asdict(model_args), "data": asdict(data_args), "recipe": asdict(recipe_args),
-        "training": training_args.to_dict()})  # run_summary.json + loss_curve.png
+    record.write(training_args.output_dir, final_save=final_save, run={  # run_record.json + loss_curve.png
+        "model_name_or_path": model_args.model_name_or_path, "dataset_name": data_args.dataset_name,
+        "quantization": "4bit" if model_args.use_4bit_quantization else
+        "8bit" if model_args.use_8bit_quantization else
+        checkpoint_quant_method(model_args.model_name_or_path, training_args.trust_remote_code),
+        "config": {"model": asdict(model_args), "data": asdict(data_args), "recipe": asdict(recipe_args),
+                   "training": training_args.to_dict()}})
     if trainer.accelerator.is_main_process:  # this run finished: an earlier preemption note no longer applies
         Path(training_args.output_dir, PREEMPTED_FILE).unlink(missing_ok=True)
 
@@ -117,33 +118,32 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Push deferred. Upload later with: hf upload {repo} {training_args.output_dir}{private}", flush=True)
 
 
-def print_preview_and_exit(data, report, tokenizer, training_args, count: int) -> None:
-    if os.environ.get("RANK", "0") == "0":
+def print_preview_and_exit(data, report, tokenizer, training_args, count: int, launch: LaunchEnv) -> None:
+    if launch.is_main_process:
         print(data_report.preview(data, tokenizer, training_args, count), report.render(), sep="\n\n", flush=True)
     raise SystemExit(0)
 
 
-def print_memory_plan_and_exit(model_args, data_args, recipe_args, training_args) -> None:
+def print_memory_plan_and_exit(model_args, data_args, recipe_args, training_args, launch: LaunchEnv) -> None:
     device = "cuda" if torch.cuda.is_available() and not training_args.use_cpu else "cpu"
-    plan = plan_memory(model_args, data_args, training_args, accelerate_config="env",
+    plan = plan_memory(model_args, data_args, training_args, accelerate_config=launch.accelerate_config(),
                        gpu_memory_gib=recipe_args.plan_memory_gib, device=device)
-    if os.environ.get("RANK", "0") == "0":
+    if launch.is_main_process:
         print(plan.render(), flush=True)
     raise SystemExit(0 if plan.fits else 3)
 
 
-def run() -> int:
+def run(launch: LaunchEnv) -> int:
     """Entry point: user mistakes exit 2 with the list of problems and no traceback; a preempted run exits 75."""
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    main_rank = os.environ.get("RANK", "0") == "0"
     try:
-        main()
+        main(None, launch)
     except ConfigError as e:
-        if main_rank:
+        if launch.is_main_process:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except Preempted as e:
-        if main_rank:
+        if launch.is_main_process:
             print(f"preempted: {e}", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT_CODE
     finally:
@@ -158,5 +158,14 @@ def close_process_group() -> None:
         dist.destroy_process_group()
 
 
+def read_launch_env_or_exit() -> LaunchEnv:
+    try:
+        return read_launch_env()
+    except ConfigError as e:  # a launcher variable accelerate would not read either
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    compat.exit_skipping_teardown(run())
+    launch_env = read_launch_env_or_exit()
+    compat.exit_skipping_teardown(run(launch_env), launch_env.world_size)

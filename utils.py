@@ -5,14 +5,14 @@ They are thin: the work lives in the `sft_recipe` package, which `train.py` uses
 
 from __future__ import annotations
 
-from sft_recipe.data import prepare, read_splits
-from sft_recipe.model import added_token_ids, load_model, load_tokenizer, lora_config
+from sft_recipe.data.prepare import prepare, read_splits
+from sft_recipe.train.model import added_token_ids, load_model, load_tokenizer, lora_config
 
 
 def create_and_prepare_model(args, data_args, training_args):
     """Return (model, peft_config, tokenizer) as upstream does: the model sized to the tokenizer, LoRA config or None.
 
-    `args` is a `sft_recipe.args.ModelArguments`; `data_args` is unused and kept for the signature.
+    `args` is a `sft_recipe.config.args.ModelArguments`; `data_args` is unused and kept for the signature.
     """
     del data_args
     tokenizer = load_tokenizer(args, training_args.trust_remote_code)

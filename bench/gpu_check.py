@@ -137,7 +137,7 @@ def gptq_step(model: Path, out: Path) -> dict:
     if missing:
         return dict(name="gptq", skip=f"{' and '.join(missing)} not installed (carry bench/wheels/gptq)")
     base = WORK / "tiny-gptq"
-    build = f"{sys.executable} -m sft_recipe.gptq --build_tiny {base} --source {WORK / 'tiny' / 'model'}"
+    build = f"{sys.executable} -m sft_recipe.train.gptq --build_tiny {base} --source {WORK / 'tiny' / 'model'}"
     config = "configs/cpu/fsdp_config.yaml" if SMOKE else "configs/fsdp_config.yaml"
     flags = ["--use_flash_attn", "False", "--bf16", str(not SMOKE), "--max_steps", "2", "--max_seq_len", "128",
              "--per_device_train_batch_size", "2", "--eval_strategy", "no", "--save_strategy", "no",
@@ -199,19 +199,20 @@ def run_step(step: dict, deadline: float) -> dict:
 
 
 def read_results(out: Path) -> dict:
-    """tokens/s, MFU and memory from what train.py wrote (run_summary.json after the final save, run_facts.json at
+    """tokens/s, MFU and memory from what train.py wrote (run_record.json after the final save, run_record.json at
     the end of training): the summary's peak includes the save, the facts' peak does not."""
     found = {}
     try:
-        summary = json.loads((out / "run_summary.json").read_text())
-        found.update(tokens_per_second=summary.get("tokens_per_second"), mfu=summary.get("mfu"),
-                     peak_after_save_gib=max(summary.get("peak_memory_gib_per_rank") or [None], key=lambda x: x or 0))
+        summary = json.loads((out / "run_record.json").read_text())
+        throughput, memory = summary["throughput"], summary["memory"]
+        found.update(tokens_per_second=throughput.get("tokens_per_second"), mfu=throughput.get("mfu"),
+                     peak_after_save_gib=max(memory.get("peak_memory_gib_per_rank") or [None], key=lambda x: x or 0))
     except (OSError, ValueError):
         pass
     try:
-        facts = json.loads((out / "run_facts.json").read_text())
-        found["peak_train_gib"] = facts.get("peak_gpu_memory_gib")
-        save = facts.get("final_save") or {}
+        facts = json.loads((out / "run_record.json").read_text())
+        found["peak_train_gib"] = facts["memory"].get("peak_gpu_memory_gib")
+        save = facts["saves"].get("final") or {}
         found["save_seconds"] = save.get("seconds") if isinstance(save, dict) else None
     except (OSError, ValueError):
         pass

@@ -10,7 +10,7 @@ from a config with random weights, and batches are synthetic documents of random
 "Packed" lays documents end to end in one row of `seq_len` with position ids restarting per document (no attention
 mask: transformers builds the per-document mask from them; flash-attn uses them as varlen boundaries); "padded" puts
 one document per row, padded to the longest, with an attention mask. tokens/s counts real (non-padding) tokens, so the
-two are comparable. MFU uses `sft_recipe.metrics.FlopsModel` against `--peak_tflops` (H200/H100 dense bf16: 989).
+two are comparable. MFU uses `sft_recipe.train.flops.FlopsModel` against `--peak_tflops` (H200/H100 dense bf16: 989).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def padded_batch(generator, vocab: int, seq_len: int, rows: int, device: str) ->
 
 def measure(shape: dict, attention: str, packing: bool, *, device: str, dtype, seq_len: int, rows: int,
             steps: int, warmup: int, peak_tflops: float | None) -> dict:
-    from sft_recipe.metrics import FlopsModel, count_params
+    from sft_recipe.train.flops import FlopsModel, count_params
 
     model = build_model(shape, attention, device, dtype)
     total, trainable = count_params(model)

@@ -9,7 +9,7 @@ model is a random Llama whose weights dominate the memory (hidden 1024, 8 layers
 built into a temporary folder next to the tiny tokenizer. Every setup trains 3 steps (LoRA r=8 all-linear, micro-batch
 2, packing) on CPU in fp32 over gloo -- one process, FSDP1 and FSDP2 on 2 ranks, LoRA and QLoRA (NF4, double quant,
 fp32 storage and compute: bf16 is emulated on CPUs), two sequence lengths, checkpointing on/off -- and its peak RSS
-per rank (run_facts.json) is compared with `sft_recipe.plan` in cpu mode. CPU offload cannot run without a GPU
+per rank (run_record.json) is compared with `sft_recipe.plan` in cpu mode. CPU offload cannot run without a GPU
 (torch pins offloaded shards in page-locked memory): its row is listed as not runnable here and runs with --gpu.
 """
 
@@ -111,14 +111,14 @@ def run(model_dir: Path, work: Path, name: str, gpu: bool, num_gpus: int) -> dic
     if proc.returncode:
         tail = (proc.stdout + proc.stderr)[-3000:]
         raise SystemExit(f"{name} failed (exit {proc.returncode}):\n{tail}")
-    facts = json.loads((out / "run_facts.json").read_text())
+    facts = json.loads((out / "run_record.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
     cfg = accelerate_config(config, launcher_args, num_gpus if gpu and config != "single.yaml" else None)
     if gpu:
-        measured = [facts["peak_gpu_memory_gib"] * 1024]
+        measured = [facts["memory"]["peak_gpu_memory_gib"] * 1024]
         predicted = predict(model_dir, cfg, flags, "cuda")[:1]
     else:
-        measured = facts["peak_rss_mib_per_rank"]
+        measured = facts["memory"]["peak_rss_mib_per_rank"]
         predicted = predict(model_dir, cfg, flags, "cpu")
     return {"name": name, "measured_mib": measured, "predicted_mib": [round(p, 1) for p in predicted],
             "seconds": round(seconds, 1),

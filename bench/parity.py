@@ -51,7 +51,8 @@ def train(config: str, out: Path, extra: list[str]) -> tuple[list[float], dict]:
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"{config} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    return json.loads((out / "run_facts.json").read_text())["losses"], load_file(str(out / "adapter_model.safetensors"))
+    losses = json.loads((out / "run_record.json").read_text())["training"]["losses"]
+    return losses, load_file(str(out / "adapter_model.safetensors"))
 
 
 def compare(losses, adapter, ref_losses, ref_adapter, from_step=0):

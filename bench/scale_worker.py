@@ -6,7 +6,7 @@ library's model loading, RecipeSFTTrainer, a checkpoint at step 1) and records, 
 - wrap: anonymous RSS once FSDP/DeepSpeed has wrapped the model (on_train_begin);
 - train: peak RSS of the process so far, and this rank's model state (shards + grads + optimizer);
 - seconds from process start to the end of the first optimizer step;
-- checkpoint: MiB on disk and what its save added; the final save (ours, sft_recipe/gather.py) and upstream's
+- checkpoint: MiB on disk and what its save added; the final save (ours, sft_recipe/artifacts/gather.py) and upstream's
   (every weight gathered to rank 0 by FULL_STATE_DICT, then the adapter's keys kept and saved), each timed and with
   the anonymous RSS it added -- launched with MALLOC_MMAP_THRESHOLD_=65536 so RSS follows live tensor bytes.
 `--upstream_load` loads on every rank as transformers does by itself (upstream's path), for the load columns.
@@ -41,23 +41,25 @@ def main() -> None:
     args, train_argv = parser.parse_known_args()
 
     from sft_recipe import compat
+    from sft_recipe.config.launch_env import read_launch_env
 
-    compat.enable_fsdp_on_cpu()
+    launch = read_launch_env()
+    compat.install(launch)
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
 
-    import sft_recipe.model as model_module
-    from sft_recipe.adapter import save_final_adapter
-    from sft_recipe.args import parse_args
-    from sft_recipe.report import RssWatch, _model_state_mib, _rss_kinds_mib, live_tensor_mib, peak_rss_mib
-    from sft_recipe.trainer import RecipeSFTTrainer
+    import sft_recipe.train.model as model_module
+    from sft_recipe.artifacts.adapter import save_final_adapter
+    from sft_recipe.config.args import parse_args
+    from sft_recipe.measure import RssWatch, _model_state_mib, _rss_kinds_mib, live_tensor_mib, peak_rss_mib
+    from sft_recipe.train.trainer import RecipeSFTTrainer
 
     if args.upstream_load:  # every rank reads the weights, as transformers 5.24 does without the recipe
         model_module.weights_arrive_from_rank0 = lambda *a, **k: False
     model_args, _, _, training_args = parse_args(train_argv)
     tokenizer = model_module.load_tokenizer(model_args)
-    model = model_module.load_model(model_args, training_args, tokenizer)
+    model = model_module.load_model(model_args, training_args, tokenizer, launch)
     load = {"weight_mib": live_tensor_mib([*model.parameters(), *model.buffers()]), "rss_mib": _rss_kinds_mib()[0]}
     texts = [f"fact {i}: the value of item {i} is {i * 7 % 13}, and item {i + 1} follows it." for i in range(64)]
     trainer = RecipeSFTTrainer(model=model, args=training_args, train_dataset=Dataset.from_dict({"text": texts}),
@@ -79,8 +81,7 @@ def main() -> None:
     facts["train_peak_rss_mib"] = peak_rss_mib()
     facts["model_state_mib"] = _model_state_mib(trainer.model_wrapped, trainer.optimizer)
     ours_dir = Path(training_args.output_dir) / "final-ours"
-    save_final_adapter(trainer, str(ours_dir))  # the recipe's final save (adapter-only gather, check, atomic write)
-    ours = trainer.last_save_cost
+    ours = save_final_adapter(trainer, str(ours_dir))  # the recipe's final save (adapter-only gather, check, write)
     peak_after_ours = peak_rss_mib()  # the run's peak with our save, before upstream's adds its own
 
     upstream_dir = Path(training_args.output_dir) / "final-upstream"
@@ -125,6 +126,7 @@ if __name__ == "__main__":
 
     from sft_recipe import compat
 
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
     if dist.is_initialized():  # as train.py: gloo's threads can abort a finished rank at interpreter teardown
         dist.destroy_process_group()
-    compat.exit_skipping_teardown(0)
+    compat.exit_skipping_teardown(0, world_size)

@@ -6,7 +6,7 @@
 Every setup trains the same parameter-dominated random Llama (hidden 1024, 8 layers, 77M parameters, built next to
 the tiny tokenizer; needs `python -m sft_recipe.tiny --output_dir .tiny`) for 4 steps of LoRA r=8 on all linear
 layers, micro-batch 2, sequence 256, fp32, through the real `accelerate launch`. Columns, from each run's
-run_summary.json / run_facts.json:
+run_record.json:
     tokens/s         all ranks together, mean over the logged steps after the first (warm-up)
     model state      this rank's weights + gradients + optimizer state (shards under FSDP), MiB: what sharding
                      divides by N
@@ -74,12 +74,14 @@ def run(model_dir: Path, work: Path, name: str) -> dict:
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         return {"name": name, "what": what, "error": proc.stdout[-1500:]}
-    summary = json.loads((out / "run_summary.json").read_text())
-    facts = json.loads((out / "run_facts.json").read_text())
-    return {"name": name, "what": what, "ranks": facts["num_processes"],
-            "tokens_per_second": summary["tokens_per_second"], "model_state": facts["model_state_mib_per_rank"],
-            "after_load": facts["rss_anon_after_load_mib_per_rank"],
-            "after_load_file": facts["rss_file_after_load_mib_per_rank"], "peak_rss": facts["peak_rss_mib_per_rank"]}
+    summary = json.loads((out / "run_record.json").read_text())
+    facts = json.loads((out / "run_record.json").read_text())
+    return {"name": name, "what": what, "ranks": facts["distribution"]["num_processes"],
+            "tokens_per_second": summary["throughput"]["tokens_per_second"],
+            "model_state": facts["memory"]["model_state_mib_per_rank"],
+            "after_load": facts["memory"]["rss_anon_after_load_mib_per_rank"],
+            "after_load_file": facts["memory"]["rss_file_after_load_mib_per_rank"],
+            "peak_rss": facts["memory"]["peak_rss_mib_per_rank"]}
 
 
 def _per_rank(values: list[float]) -> str:

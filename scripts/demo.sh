@@ -13,4 +13,4 @@ python -m sft_recipe.evaluate --adapter_dir "$OUTPUT_DIR" --dataset_name .tiny/d
   --fail_if_not_better
 # The guide's caveat 1 closed: merge the FSDP-trained adapter into its base in one plain process (checked).
 python merge_adapter.py --adapter_dir "$OUTPUT_DIR" --output_dir "$OUTPUT_DIR-merged" --overwrite
-echo "live metrics were in the log above; summary: $OUTPUT_DIR/run_summary.json, loss curve: $OUTPUT_DIR/loss_curve.png"
+echo "live metrics were in the log above; run record: $OUTPUT_DIR/run_record.json, loss curve: $OUTPUT_DIR/loss_curve.png"

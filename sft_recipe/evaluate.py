@@ -32,7 +32,7 @@ def load_base_and_adapter(adapter_dir: str, trust_remote_code: bool = False):
 
 
 def compare(adapter_dir: str, conversations: list, max_new_tokens: int = 24) -> dict:
-    from .tiny import score_answers
+    from sft_recipe.scoring import score_answers
 
     model, tokenizer = load_base_and_adapter(adapter_dir)
     with model.disable_adapter():
@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="exit 1 unless the adapter's answer-token accuracy beats the base model's")
     args = parser.parse_args(argv)
 
-    from .args import ConfigError, DataTrainingArguments
-    from .data import MESSAGES, load_splits, split_role
+    from sft_recipe.config.args import ConfigError, DataTrainingArguments
+    from sft_recipe.data.prepare import MESSAGES, load_splits, split_role
 
     try:
         datasets = load_splits(DataTrainingArguments(dataset_name=args.dataset_name, splits=args.split))

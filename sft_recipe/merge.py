@@ -28,88 +28,28 @@ from pathlib import Path
 
 import torch
 
-from .adapter import ADAPTER_CONFIG, embedding_leaf_name, saved_embedding_rows
-from .model import DTYPES as ALL_DTYPES
-from .report import RUN_FACTS  # written by train.py next to the adapter
+from sft_recipe.artifacts.adapter import ADAPTER_CONFIG, embedding_leaf_name, saved_embedding_rows
+from sft_recipe.merge_checks import (  # the refusals and the logits check; callers import them from here too
+    CHECK_RELATIVE_TOLERANCE,
+    COMMAND,
+    MergeCheckError,
+    MergeError,
+    check_problem,
+    compute_logits,
+    make_check_ids,
+    merge_and_unload_unsharded,
+    refuse_merge_in_fsdp,  # noqa: F401
+    refuse_under_distributed_launcher,
+)
+from sft_recipe.train.model import DTYPES as ALL_DTYPES
+from sft_recipe.train.record import RUN_RECORD  # written by train.py next to the adapter
+
+OLDER_RUN_FACTS = "run_facts.json"  # what train.py wrote before the run record: quantization at its top level
 
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 MERGE_INFO = "merge_info.json"
-COMMAND = "python merge_adapter.py --adapter_dir <training output_dir> --output_dir <merged model dir>"
 
 DTYPES = {name: dtype for name, dtype in ALL_DTYPES.items() if dtype.is_floating_point}
-# Allowed max |merged - (base+adapter)| logits, as a fraction of max(1, max |logit|). Merging rounds W + B@A once to
-# the target dtype while the reference adds the LoRA path at run time, so the two differ by a few rounding steps of
-# that dtype. Measured on the tiny Llama: fp32 ~5e-7 (7e-6 with a deliberately huge random adapter over 96 tokens),
-# bf16 ~1.2e-2 (3 epsilons). The bounds leave >10x margin for deeper models and longer prompts; check_problem adds
-# the test that actually separates a merged adapter from a dropped one.
-CHECK_RELATIVE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
-CHECK_TEXT = "### User:\nWhat is the opposite of hot?"
-CHECK_MAX_EXTRA_TOKENS = 16  # added/trainable token ids appended to the check prompt so their rows are compared too
-
-
-class MergeError(RuntimeError):
-    """A refusal or a user mistake: reported as one message, no traceback, exit code 2."""
-
-
-class MergeCheckError(MergeError):
-    """The written model does not reproduce base+adapter: nothing is published."""
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Refusals: distributed launchers and FSDP-wrapped models
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def refuse_under_distributed_launcher() -> None:
-    """Merging needs every weight whole in one process; a launcher with several ranks would shard or repeat it."""
-    world_size = os.environ.get("WORLD_SIZE", "1")
-    initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if world_size.strip() not in ("", "1") or initialised:
-        why = f"WORLD_SIZE={world_size}" if world_size.strip() not in ("", "1") else "a process group is initialised"
-        raise MergeError(
-            f"the merge is running under a distributed launcher ({why}). It reloads the base model unsharded in ONE "
-            f"process and never merges inside FSDP. Fix: run it as a plain command after training (not with "
-            f"accelerate launch / torchrun): {COMMAND}")
-
-
-def _fsdp_evidence(model: torch.nn.Module) -> str | None:
-    """What shows `model` is FSDP-wrapped (FSDP1 wrapper, FSDP2 `fully_shard` module, sharded params), or None."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # torch built without distributed
-        return None
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # older torch: FSDP2 lives elsewhere or not at all
-        FSDPModule = ()  # noqa: N806
-    for name, module in model.named_modules():
-        if isinstance(module, FullyShardedDataParallel):
-            return f"FSDP1 FullyShardedDataParallel at '{name or '<root>'}'"
-        if FSDPModule and isinstance(module, FSDPModule):
-            return f"FSDP2 fully_shard module {type(module).__name__} at '{name or '<root>'}'"
-    for name, param in model.named_parameters():
-        if type(param).__name__ == "DTensor" or getattr(param, "_is_flat_param", False):
-            return f"sharded parameter '{name}' ({type(param).__name__})"
-    return None
-
-
-def refuse_merge_in_fsdp(model: torch.nn.Module) -> None:
-    """Raise MergeError if `model` is (or contains) an FSDP1/FSDP2-wrapped module: merging there adds LoRA deltas to
-    weight shards, or to flattened parameters, and either fails or saves a wrong model."""
-    evidence = _fsdp_evidence(model)
-    if evidence is not None:
-        raise MergeError(
-            f"refusing to merge the adapter inside an FSDP-wrapped model ({evidence}): each rank holds only a shard "
-            f"of every weight, so merge_and_unload() here cannot produce the full merged model. Fix: save the adapter "
-            f"(train.py does), then after training merge in one plain process: {COMMAND}")
-
-
-def merge_and_unload_unsharded(peft_model, **kwargs):
-    """`peft_model.merge_and_unload(**kwargs)`, refused on an FSDP-wrapped model (see refuse_merge_in_fsdp)."""
-    refuse_merge_in_fsdp(peft_model)
-    return peft_model.merge_and_unload(**kwargs)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Plan: every input checked before any weight is loaded
 # ----------------------------------------------------------------------------------------------------------------
@@ -122,7 +62,7 @@ class MergePlan:
     base_model: str
     dtype: torch.dtype
     dtype_reason: str
-    quantized_training: str | None  # "4bit"/"8bit" when run_facts.json says so, else None
+    quantized_training: str | None  # "4bit"/"8bit" when the run record says so, else None
     tokenizer_source: str
     overwrite: bool = False
     check: bool = True
@@ -138,12 +78,15 @@ def _is_within(path: Path, other: Path) -> bool:
 
 def _training_quantization(adapter_dir: Path) -> tuple[str | None, str | None]:
     """(quantization recorded by train.py, note when it cannot be told)."""
-    facts_path = adapter_dir / RUN_FACTS
+    facts_path = adapter_dir / RUN_RECORD
     if not facts_path.is_file():
-        return None, None
+        facts_path = adapter_dir / OLDER_RUN_FACTS  # an adapter trained by an earlier version of the recipe
+        if not facts_path.is_file():
+            return None, None
     try:
-        facts = json.loads(facts_path.read_text())
-    except (OSError, ValueError):
+        record = json.loads(facts_path.read_text())
+        facts = record["run"] if facts_path.name == RUN_RECORD else record
+    except (OSError, ValueError, KeyError, TypeError):
         return None, f"{facts_path} is unreadable; the training's quantization is unknown"
     if "quantization" not in facts:
         return None, (f"{facts_path} does not record whether training was quantized (older train.py); if this "
@@ -220,7 +163,7 @@ def plan_merge(adapter_dir: str | os.PathLike, output_dir: str | os.PathLike, *,
                   else f"base_model_name_or_path in {ADAPTER_CONFIG}")
         raise MergeError(f"{source} = {base!r}: its config cannot be loaded ({type(e).__name__}: {e}). Fix: pass "
                          f"--base_model_name_or_path with a local folder or Hub id of the unquantized base.") from e
-    from .gptq import gptq_merge_refusal
+    from sft_recipe.train.gptq import gptq_merge_refusal
 
     if refusal := gptq_merge_refusal(base, config):
         raise MergeError(refusal)
@@ -233,7 +176,7 @@ def plan_merge(adapter_dir: str | os.PathLike, output_dir: str | os.PathLike, *,
     notes = [note] if note else []
     if dtype == "auto":
         if quantized:
-            chosen, reason = torch.bfloat16, f"QLoRA ({quantized} training per {RUN_FACTS}): bf16 base, not 4-bit"
+            chosen, reason = torch.bfloat16, f"QLoRA ({quantized} training per {RUN_RECORD}): bf16 base, not 4-bit"
         else:
             chosen, reason = _config_dtype(config), "the base config's dtype"
     elif dtype in DTYPES:
@@ -279,42 +222,6 @@ class MergeResult:
         c = self.check
         return (line + f"; check OK: max|merged - (base+adapter)| logits = {c['max_abs_diff']:.3g} on {c['tokens']} "
                 f"tokens (tolerance {c['tolerance']:.3g}; the adapter itself moves them by {c['adapter_effect']:.3g})")
-
-
-def _check_ids(tokenizer, base_rows: int, rows: int, peft_config) -> torch.Tensor:
-    """A short prompt in the saved tokenizer's chat format, plus added tokens and trainable-token rows, so resized and
-    trained embedding rows are compared too. Only ids below `rows` (the merged vocabulary) are used."""
-    text = CHECK_TEXT
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the opposite of hot?"}],
-                                                 add_generation_prompt=True, tokenize=False)
-        except Exception:  # a template needing other roles/fields: the plain prompt still checks the weights
-            text = CHECK_TEXT
-    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
-    extra = list(range(base_rows, len(tokenizer)))
-    trainable = getattr(peft_config, "trainable_token_indices", None)
-    if isinstance(trainable, dict):
-        trainable = [i for values in trainable.values() for i in values]
-    extra += [int(i) for i in (trainable or []) if int(i) not in extra]
-    return torch.tensor([[i for i in ids + extra[:CHECK_MAX_EXTRA_TOKENS] if i < rows]])
-
-
-def _logits(model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits.float()
-
-
-def check_problem(max_abs_diff: float, tolerance: float, adapter_effect: float) -> str | None:
-    """Why the merged logits do not match base+adapter, or None. They must be within rounding noise (`tolerance`)
-    and, when the adapter moves the logits by more than that noise, closer to base+adapter than to the bare base:
-    a low-precision tolerance alone could pass a merge that dropped a weakly trained adapter."""
-    if not max_abs_diff <= tolerance:  # written this way round so NaN fails too
-        return f"max|logit diff| {max_abs_diff:.3g} > tolerance {tolerance:.3g}"
-    if adapter_effect > tolerance and not max_abs_diff < adapter_effect / 2:
-        return (f"max|logit diff| {max_abs_diff:.3g} is not below half of what the adapter moves the logits "
-                f"({adapter_effect:.3g})")
-    return None
 
 
 def _add_eos_to_generation_config(model, tokenizer) -> None:
@@ -369,7 +276,7 @@ def run_merge(plan: MergePlan, log=print) -> MergeResult:
                                                 trust_remote_code=plan.trust_remote_code)
     base_rows = base.get_input_embeddings().weight.shape[0]
     # The adapter's saved embedding (written when training resized the vocab) fixes the row count, or it would not
-    # load; otherwise grow to exactly len(tokenizer) as training did (sft_recipe.model.fit_embeddings_to_tokenizer).
+    # load; otherwise grow to exactly len(tokenizer) as training did (train.model.fit_embeddings_to_tokenizer).
     saved_rows = saved_embedding_rows(plan.adapter_dir, embedding_leaf_name(base))
     rows = saved_rows if saved_rows is not None else max(base_rows, len(tokenizer))
     if rows != base_rows:
@@ -382,10 +289,10 @@ def run_merge(plan: MergePlan, log=print) -> MergeResult:
 
     reference = base_only = ids = None
     if plan.check:
-        ids = _check_ids(tokenizer, base_rows, rows, model.peft_config[model.active_adapter])
-        reference = _logits(model, ids)
+        ids = make_check_ids(tokenizer, base_rows, rows, model.peft_config[model.active_adapter])
+        reference = compute_logits(model, ids)
         with model.disable_adapter():
-            base_only = _logits(model, ids)
+            base_only = compute_logits(model, ids)
 
     # safe_merge: PEFT checks each merged weight for NaN/inf before replacing the original.
     merged = merge_and_unload_unsharded(model, safe_merge=True)
@@ -406,7 +313,7 @@ def run_merge(plan: MergePlan, log=print) -> MergeResult:
             reloaded = AutoModelForCausalLM.from_pretrained(str(tmp), trust_remote_code=plan.trust_remote_code)
             if reloaded.dtype != plan.dtype:
                 raise MergeCheckError(f"the written model loads as {reloaded.dtype}, expected {plan.dtype}")
-            got = _logits(reloaded, ids)
+            got = compute_logits(reloaded, ids)
             del reloaded
             scale = max(1.0, float(reference.abs().max()))
             relative = plan.check_tolerance or CHECK_RELATIVE_TOLERANCE[plan.dtype]
@@ -452,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--base_model_name_or_path", default=None,
                         help="base model to merge into (default: base_model_name_or_path in adapter_config.json)")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                        help="dtype of the merged model. auto: bfloat16 when run_facts.json says training was "
+                        help="dtype of the merged model. auto: bfloat16 when run_record.json says training was "
                              "quantized (QLoRA), else the base config's dtype")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output_dir")
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,

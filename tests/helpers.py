@@ -41,8 +41,8 @@ class RunResult:
     output_dir: Path
 
     @property
-    def facts(self) -> dict:
-        return json.loads((self.output_dir / "run_facts.json").read_text())
+    def record(self) -> dict:
+        return json.loads((self.output_dir / "run_record.json").read_text())
 
 
 def run_command(cmd: list[str], output_dir: Path, env: dict | None = None, timeout: int = 600) -> RunResult:

@@ -1,5 +1,5 @@
 """The bench scripts run: the GPU benchmark's code path on a tiny CPU config, its refusal without a GPU, and the CPU
-throughput table's arithmetic (full bench runs are not tests: they print tables, see README)."""
+throughput table's arithmetic (full bench runs are not tests: they print tables, see docs/memory-and-speed.md)."""
 
 import subprocess
 import sys

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sft_recipe.args import build_parser, known_option_names, parse_args, read_recipe_yaml
+from sft_recipe.config.args import build_parser, known_option_names, parse_args, read_recipe_yaml
 from tests.helpers import REPO
 
 ACCELERATE_YAMLS = sorted((REPO / "configs").rglob("*.yaml"))

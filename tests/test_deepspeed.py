@@ -120,8 +120,8 @@ def _validate_under_deepspeed(argv, env, monkeypatch):
     """Arguments parsed first, then the launcher's DeepSpeed variables set: in a bare process, TrainingArguments
     built under ACCELERATE_USE_DEEPSPEED or with --ddp_backend gloo wants a process group, which only a real launch
     has. So "gloo" in argv is applied to the parsed arguments (what validate reads)."""
-    from sft_recipe.args import parse_args
-    from sft_recipe.validate import validate
+    from sft_recipe.config.args import parse_args
+    from sft_recipe.config.validate import validate
 
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     parsed = parse_args([a for a in argv if a != "gloo"])
@@ -134,7 +134,7 @@ def _validate_under_deepspeed(argv, env, monkeypatch):
 
 @pytest.mark.parametrize("name", MISTAKES)
 def test_deepspeed_mistakes_are_named_before_loading(name, tiny, tmp_path, monkeypatch):
-    from sft_recipe.args import ConfigError
+    from sft_recipe.config.args import ConfigError
 
     flags, env, message = MISTAKES[name]
     with pytest.raises(ConfigError) as error:
@@ -143,7 +143,7 @@ def test_deepspeed_mistakes_are_named_before_loading(name, tiny, tmp_path, monke
 
 
 def test_bf16_on_cpu_under_deepspeed_names_the_only_fix(tiny, tmp_path, monkeypatch):
-    from sft_recipe.args import ConfigError, parse_args
+    from sft_recipe.config.args import ConfigError, parse_args
 
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
@@ -195,16 +195,17 @@ def test_zero3_trains_what_fsdp2_trains_and_the_adapter_loads(tiny, tmp_path):
     data = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir)]
     zero3 = launch_train(CPU_TWIN, tmp_path / "zero3", [*data, *TRAIN_FLAGS, *CPU_DEEPSPEED], env=deepspeed_env())
     assert zero3.returncode == 0, zero3.output[-5000:]
-    facts = zero3.facts
+    facts = zero3.record
     # Really DeepSpeed, on both ranks: not DDP, not one process.
-    assert (facts["distributed_type"], facts["wrapped_class"], facts["num_processes"]) == \
+    how = facts["distribution"]
+    assert (how["distributed_type"], how["wrapped_class"], how["num_processes"]) == \
         ("DEEPSPEED", "DeepSpeedEngine", 2)
-    assert facts["frozen_changed"] is False and facts["trainable_changed"] is True
+    assert facts["weights"]["frozen_changed"] is False and facts["weights"]["trainable_changed"] is True
     assert "adapter check OK" in zero3.output
 
     fsdp2 = launch_train("cpu/fsdp2_config.yaml", tmp_path / "fsdp2", [*data, *TRAIN_FLAGS])
     assert fsdp2.returncode == 0, fsdp2.output[-5000:]
-    losses, reference = facts["losses"], fsdp2.facts["losses"]
+    losses, reference = facts["training"]["losses"], fsdp2.record["training"]["losses"]
     assert len(losses) == len(reference) == 8
     for step, (a, b) in enumerate(zip(losses, reference), start=1):
         assert abs(a - b) <= RELATIVE_TOLERANCE * abs(b), f"step {step}: {a} vs {b}"
@@ -232,7 +233,7 @@ def test_run_peft_qlora_deepspeed_sh_at_tiny_scale(tiny, tmp_path):
                           "--save_strategy", "no",
                           "--max_seq_len", "128", "--logging_steps", "1"], out, env=env)
     assert result.returncode == 0, result.output[-5000:]
-    facts = json.loads((out / "run_facts.json").read_text())
-    assert (facts["distributed_type"], facts["num_processes"]) == ("DEEPSPEED", 2)
-    assert facts["frozen_changed"] is False and facts["trainable_changed"] is True
-    assert "adapter check OK" in result.output and facts["eval_losses"]  # --eval_strategy epoch ran
+    facts = json.loads((out / "run_record.json").read_text())
+    assert (facts["distribution"]["distributed_type"], facts["distribution"]["num_processes"]) == ("DEEPSPEED", 2)
+    assert facts["weights"]["frozen_changed"] is False and facts["weights"]["trainable_changed"] is True
+    assert "adapter check OK" in result.output and facts["training"]["eval_losses"]  # --eval_strategy epoch ran

@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from sft_recipe.args import ConfigError, parse_args
-from sft_recipe.validate import validate
+from sft_recipe.config.args import ConfigError, parse_args
+from sft_recipe.config.validate import validate
 from tests.helpers import REPO, launch_env, run_command
 
 SITE = REPO / ".venv" / "gptq-site"
@@ -42,7 +42,7 @@ def gptq_model(tiny, tmp_path_factory):
         pytest.skip(f"scripts/setup_gptq.sh could not install optimum/gptqmodel (package index unreachable?): "
                     f"{setup.stderr[-500:]}")
     dest = tmp_path_factory.mktemp("gptq") / "model"
-    build = subprocess.run([sys.executable, "-m", "sft_recipe.gptq", "--build_tiny", str(dest), "--source",
+    build = subprocess.run([sys.executable, "-m", "sft_recipe.train.gptq", "--build_tiny", str(dest), "--source",
                             str(tiny.model_dir)], cwd=REPO, env=_gptq_env(), capture_output=True, text=True,
                            timeout=600)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
@@ -64,11 +64,12 @@ def test_lora_on_a_gptq_base_in_one_process_and_under_fsdp(gptq_model, tiny, tmp
         assert "UNEXPECTED" not in result.output and "MISSING" not in result.output
         assert "adapter check OK" in result.output
         runs[name] = result
-    single, fsdp = runs["single"].facts, runs["fsdp1"].facts
-    assert (single["num_processes"], single["quantization"]) == (1, "gptq")
-    assert (fsdp["distributed_type"], fsdp["fsdp_version"], fsdp["num_processes"]) == ("FSDP", 1, 2)
+    single, fsdp = runs["single"].record, runs["fsdp1"].record
+    assert (single["distribution"]["num_processes"], single["run"]["quantization"]) == (1, "gptq")
+    how = fsdp["distribution"]
+    assert (how["distributed_type"], how["fsdp_version"], how["num_processes"]) == ("FSDP", 1, 2)
     for facts in (single, fsdp):
-        assert facts["trainable_changed"] is True and facts["frozen_changed"] is False
+        assert facts["weights"]["trainable_changed"] is True and facts["weights"]["frozen_changed"] is False
     adapter_config = json.loads((tmp_path / "single" / "adapter_config.json").read_text())
     assert sorted(adapter_config["target_modules"]) == sorted(TARGETS.split(","))
 
@@ -109,7 +110,7 @@ def test_gptq_configurations_that_cannot_work_are_refused_up_front(gptq_config_o
     text = _problems(base)
     assert "is a GPTQ checkpoint, and loading it needs optimum and gptqmodel (not installed)" in text
     assert "pip install optimum gptqmodel" in text
-    from sft_recipe import gptq
+    from sft_recipe.train import gptq
 
     monkeypatch.setattr(gptq, "missing_gptq_packages", lambda: [])
     validate(*parse_args(base))  # everything else about the script's configuration is fine

@@ -34,9 +34,9 @@ def test_gpu_check_smoke_prints_one_row_per_step(tmp_path):
     assert table in result.output, "the table is printed"
     assert re.search(r"^\| qlora-1gpu \| ok \| \d+ \|", table, flags=re.M)
     # run_peft.sh ran as shipped: its own reentrant checkpointing and uint8 4-bit storage
-    summary = json.loads((tmp_path / "runs" / "qlora-1gpu" / "run_summary.json").read_text())
-    assert summary["config"]["model"]["use_reentrant"] is True
-    assert summary["config"]["model"]["bnb_4bit_quant_storage_dtype"] == "uint8"
+    summary = json.loads((tmp_path / "runs" / "qlora-1gpu" / "run_record.json").read_text())
+    assert summary["run"]["config"]["model"]["use_reentrant"] is True
+    assert summary["run"]["config"]["model"]["bnb_4bit_quant_storage_dtype"] == "uint8"
 
 
 def test_wheel_fetch_never_asks_for_torch_and_headers_give_the_command():

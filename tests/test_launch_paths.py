@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sft_recipe.args import build_parser, parse_args
+from sft_recipe.config.args import build_parser, parse_args
 from tests.helpers import REPO, launch_env, run_command, script_train_flags
 
 LOSS_RELATIVE_TOLERANCE = 2e-4  # bf16 LoRA weights (see above): 2x the measured 9.2e-5
@@ -64,28 +64,30 @@ def single_and_ddp(tiny, tmp_path_factory):
 
 def test_run_peft_sh_trains_qlora_in_one_process_without_a_storage_dtype(single_and_ddp):
     single, _ = single_and_ddp
-    facts = single.facts
-    assert (facts["distributed_type"], facts["num_processes"], facts["quantization"]) == ("NO", 1, "4bit")
-    assert facts["frozen_changed"] is False and facts["trainable_changed"] is True
-    assert "adapter check OK" in single.output and facts["eval_losses"]  # the script's --eval_strategy epoch ran
+    facts = single.record
+    how = facts["distribution"]
+    assert (how["distributed_type"], how["num_processes"], facts["run"]["quantization"]) == ("NO", 1, "4bit")
+    assert facts["weights"]["frozen_changed"] is False and facts["weights"]["trainable_changed"] is True
+    assert "adapter check OK" in single.output and facts["training"]["eval_losses"]  # the script's eval ran
     # upstream's single-GPU default: 4-bit weights stay packed in uint8 and the rest loads in fp32
-    summary = (single.output_dir / "run_summary.json").read_text()
+    summary = (single.output_dir / "run_record.json").read_text()
     assert '"bnb_4bit_quant_storage_dtype": "uint8"' in summary and '"use_nested_quant": true' in summary
     assert '"use_reentrant": true' in summary
 
 
 def test_run_peft_multigpu_sh_is_ddp_over_2_torchrun_processes_matching_one_process(single_and_ddp):
     single, ddp = single_and_ddp
-    facts = ddp.facts
-    assert (facts["distributed_type"], facts["num_processes"], facts["wrapped_class"]) == \
+    facts = ddp.record
+    how = facts["distribution"]
+    assert (how["distributed_type"], how["num_processes"], how["wrapped_class"]) == \
         ("MULTI_CPU", 2, "DistributedDataParallel")
-    assert len(facts["peak_rss_mib_per_rank"]) == 2, "both ranks reported in"
-    assert facts["quantization"] == "4bit" and facts["frozen_changed"] is False
+    assert len(facts["memory"]["peak_rss_mib_per_rank"]) == 2, "both ranks reported in"
+    assert facts["run"]["quantization"] == "4bit" and facts["weights"]["frozen_changed"] is False
     assert "adapter check OK" in ddp.output
-    assert '"use_reentrant": false' in (ddp.output_dir / "run_summary.json").read_text()
-    reference = single.facts["losses"]
-    assert len(facts["losses"]) == len(reference) == 3
-    for step, (a, b) in enumerate(zip(facts["losses"], reference), start=1):
+    assert '"use_reentrant": false' in (ddp.output_dir / "run_record.json").read_text()
+    reference = single.record["training"]["losses"]
+    assert len(facts["training"]["losses"]) == len(reference) == 3
+    for step, (a, b) in enumerate(zip(facts["training"]["losses"], reference), start=1):
         assert abs(a - b) <= LOSS_RELATIVE_TOLERANCE * abs(b), f"step {step}: DDP {a} vs one process {b}"
     adapter = load_file(str(ddp.output_dir / "adapter_model.safetensors"))
     reference_adapter = load_file(str(single.output_dir / "adapter_model.safetensors"))
@@ -157,23 +159,22 @@ def test_multigpu_script_launches_torchrun_not_accelerate(tmp_path):
 
 
 def test_ddp_with_reentrant_checkpointing_is_refused_up_front(monkeypatch, tmp_path):
-    from sft_recipe.launch_checks import ddp_problems
+    from sft_recipe.config.launch_checks import ddp_problems
+    from sft_recipe.config.launch_env import LaunchEnv
 
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
     model_args, _, _, training_args = parse_args(_script_flags("run_peft_multigpu.sh", tmp_path) +
                                               ["--use_reentrant", "True"])
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    (problem,) = ddp_problems(model_args, training_args, fsdp=False, deepspeed=False)
+    (problem,) = ddp_problems(model_args, training_args, LaunchEnv(world_size=2))
     assert "--use_reentrant True" in problem and "Fix: --use_reentrant False" in problem
-    assert ddp_problems(model_args, training_args, fsdp=True, deepspeed=False) == []  # FSDP handles it
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    assert ddp_problems(model_args, training_args, fsdp=False, deepspeed=False) == []  # run_peft.sh: one process
+    assert ddp_problems(model_args, training_args, LaunchEnv(world_size=2, use_fsdp=True)) == []  # FSDP handles it
+    assert ddp_problems(model_args, training_args, LaunchEnv(world_size=1)) == []  # run_peft.sh: one process
 
 
 def test_unsloth_reason_names_what_is_missing(monkeypatch):
     import importlib.util
 
-    from sft_recipe import launch_checks
+    from sft_recipe.config import launch_checks
 
     model_args = parse_args(["--use_unsloth", "True"])[0]
     real_find_spec = importlib.util.find_spec

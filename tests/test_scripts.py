@@ -9,7 +9,7 @@ from dataclasses import fields
 
 import pytest
 
-from sft_recipe.args import parse_args
+from sft_recipe.config.args import parse_args
 from tests.helpers import REPO, launch_env, run_command, script_train_flags
 
 TINY_SCALE = ["--use_flash_attn", "False", "--max_steps", "3", "--max_seq_len", "128",
@@ -30,9 +30,10 @@ def test_run_peft_fsdp_sh(tiny, tmp_path):
     result = run_command(["bash", "run_peft_fsdp.sh", *TINY_SCALE, "--defer_push_to_hub", "True"],
                          out, env=_script_env(tiny, "configs/cpu/fsdp2_config.yaml", out))
     assert result.returncode == 0, result.output[-5000:]
-    facts = result.facts
-    assert (facts["distributed_type"], facts["fsdp_version"], facts["num_processes"]) == ("FSDP", 2, 2)
-    assert "adapter check OK" in result.output and facts["eval_losses"]  # --eval_strategy epoch ran
+    facts = result.record
+    how = facts["distribution"]
+    assert (how["distributed_type"], how["fsdp_version"], how["num_processes"]) == ("FSDP", 2, 2)
+    assert "adapter check OK" in result.output and facts["training"]["eval_losses"]  # --eval_strategy epoch ran
     assert (out / "adapter_model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()
     assert list(out.glob("checkpoint-*")), "--save_strategy epoch wrote a checkpoint"
     assert f"Push deferred. Upload later with: hf upload lora {out} --private" in result.output
@@ -54,9 +55,10 @@ def test_run_peft_qlora_fsdp_sh(tiny, tmp_path):
                           "--push_to_hub", "False"],
                          out, env=_script_env(tiny, "configs/cpu/fsdp_config.yaml", out))
     assert result.returncode == 0, result.output[-5000:]
-    facts = result.facts
-    assert (facts["distributed_type"], facts["fsdp_version"], facts["num_processes"]) == ("FSDP", 1, 2)
-    assert facts["frozen_changed"] is False and facts["trainable_changed"] is True
+    facts = result.record
+    how = facts["distribution"]
+    assert (how["distributed_type"], how["fsdp_version"], how["num_processes"]) == ("FSDP", 1, 2)
+    assert facts["weights"]["frozen_changed"] is False and facts["weights"]["trainable_changed"] is True
     assert "adapter check OK" in result.output
 
 

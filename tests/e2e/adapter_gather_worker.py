@@ -43,11 +43,11 @@ def run_combo(name: str, model_dir: str, out_dir: Path, extra: list[str], label:
     from peft import get_peft_model_state_dict
 
     from sft_recipe import compat
-    from sft_recipe.args import parse_args
-    from sft_recipe.gather import gather_adapter_state
-    from sft_recipe.model import load_model, load_tokenizer, lora_config
-    from sft_recipe.report import RssWatch
-    from sft_recipe.trainer import RecipeSFTTrainer
+    from sft_recipe.artifacts.gather import gather_adapter_state
+    from sft_recipe.config.args import parse_args
+    from sft_recipe.measure import RssWatch
+    from sft_recipe.train.model import load_model, load_tokenizer, lora_config
+    from sft_recipe.train.trainer import RecipeSFTTrainer
 
     argv = ["--model_name_or_path", model_dir, "--output_dir", str(out_dir / (label or name)), *FLAGS, *COMBOS[name],
             *extra]
@@ -103,8 +103,10 @@ def main() -> None:
     args, extra = parser.parse_known_args()
 
     from sft_recipe import compat
+    from sft_recipe.config.launch_env import read_launch_env
 
-    compat.enable_fsdp_on_cpu()
+    launch = read_launch_env()
+    compat.install(launch)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in args.combos.split(","):

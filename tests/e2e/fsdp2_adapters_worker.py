@@ -39,8 +39,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from sft_recipe import compat
+    from sft_recipe.config.launch_env import read_launch_env
 
-    compat.enable_fsdp_on_cpu()
+    launch = read_launch_env()
+    compat.install(launch)
 
     import torch
     from accelerate import Accelerator
@@ -311,7 +313,7 @@ def main() -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(facts, indent=1, sort_keys=True))
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    compat.exit_skipping_teardown(0)
+    compat.exit_skipping_teardown(0, launch.world_size)
 
 
 if __name__ == "__main__":

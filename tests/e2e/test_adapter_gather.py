@@ -1,4 +1,5 @@
-"""The final save gathers only what the adapter holds (sft_recipe/gather.py), on every engine, bit-identically.
+"""The final save gathers only what the adapter holds (sft_recipe/artifacts/gather.py), on every engine,
+bit-identically.
 
 One real launch per engine (`accelerate launch` of tests/e2e/adapter_gather_worker.py, 2 CPU ranks over gloo; one
 process for the single-process engine) trains LoRA and QLoRA, each with and without a chatml vocabulary resize, and

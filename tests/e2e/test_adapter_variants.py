@@ -67,7 +67,8 @@ def test_modules_to_save_train_new_rows_under_fsdp2(tiny, tmp_path):
         "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
         "--chat_template_format", "chatml", "--lora_modules_to_save", "embed_tokens,lm_head", *TRAIN_FLAGS])
     assert result.returncode == 0, result.output[-6000:]
-    assert result.facts["distributed_type"] == "FSDP" and result.facts["fsdp_version"] == 2
+    how = result.record["distribution"]
+    assert how["distributed_type"] == "FSDP" and how["fsdp_version"] == 2
     assert "adapter check OK" in result.output
     ids = _new_token_ids(out, tiny)
     saved = load_file(str(out / "adapter_model.safetensors"))
@@ -101,6 +102,6 @@ def test_8bit_paged_optimizer_checkpoints_and_resumes_in_one_process(tiny, tmp_p
     shutil.copytree(tmp_path / "full" / "checkpoint-4", resumed_dir / "checkpoint-4")
     resumed = launch_train("cpu/single.yaml", resumed_dir, [*flags, "--resume_from_checkpoint", "latest"])
     assert resumed.returncode == 0, resumed.output[-6000:]
-    a, b = full.facts["losses"], resumed.facts["losses"]
+    a, b = full.record["training"]["losses"], resumed.record["training"]["losses"]
     for step in range(4, 8):
         assert abs(a[step] - b[step]) <= RELATIVE_TOLERANCE * abs(a[step]), (step + 1, a, b)

@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from sft_recipe.checkpoints import latest_complete_checkpoint
+from sft_recipe.artifacts.checkpoints import latest_complete_checkpoint
 from tests.helpers import RELATIVE_TOLERANCE, REPO, bin_dir, free_port, launch_env, launch_train, wait_for_training
 
 FLAGS = ["--use_peft_lora", "True", "--lora_target_modules", "all-linear", "--lora_r", "8", "--lora_alpha", "16",
@@ -54,7 +54,7 @@ def uninterrupted(tiny, tmp_path_factory):
     result = launch_train(CONFIG, out, ["--model_name_or_path", str(tiny.model_dir), "--dataset_name",
                                         str(tiny.jsonl_dir), *FLAGS, "--save_strategy", "no"])
     assert result.returncode == 0, result.output[-4000:]
-    return result.facts["losses"]
+    return result.record["training"]["losses"]
 
 
 @pytest.mark.parametrize("signum,rank", [(signal.SIGTERM, 1), (signal.SIGUSR1, 0)])
@@ -87,7 +87,7 @@ def test_signal_on_one_rank_checkpoints_and_resumes_exactly(signum, rank, tiny, 
                                          str(tiny.jsonl_dir), *FLAGS, "--save_strategy", "no",
                                          "--resume_from_checkpoint", "latest"])
     assert resumed.returncode == 0, resumed.output[-4000:]
-    losses = resumed.facts["losses"]
+    losses = resumed.record["training"]["losses"]
     assert len(losses) == 30 and not (out / "preempted.json").exists()
     for step in range(stopped_at, 30):
         assert abs(losses[step] - uninterrupted[step]) <= RELATIVE_TOLERANCE * abs(uninterrupted[step]), step + 1
@@ -118,7 +118,7 @@ def test_sigkill_of_one_rank_ends_the_run_and_keeps_the_last_checkpoint(tiny, tm
 def test_kill_during_a_checkpoint_save_leaves_the_previous_one_to_resume_from(tiny, tmp_path):
     """SIGKILL every process while a checkpoint is being written (a folder exists, its completion marker does not):
     the half-written checkpoint is skipped and the previous complete one is what `latest` resumes from."""
-    from sft_recipe.checkpoints import COMPLETE_MARKER, resolve_resume
+    from sft_recipe.artifacts.checkpoints import COMPLETE_MARKER, resolve_resume
 
     out = tmp_path / "run"
     launcher, log = _start(tiny, out, ["--save_strategy", "steps", "--save_steps", "1"])
@@ -148,7 +148,7 @@ def test_kill_during_a_checkpoint_save_leaves_the_previous_one_to_resume_from(ti
                                          str(tiny.jsonl_dir), *FLAGS, "--save_strategy", "no",
                                          "--resume_from_checkpoint", "latest", "--max_steps", str(previous + 2)])
     assert resumed.returncode == 0, resumed.output[-4000:]
-    assert resumed.facts["global_steps"] == previous + 2
+    assert resumed.record["training"]["global_steps"] == previous + 2
 
 
 def test_launch_script_exits_75_when_preempted(tiny, tmp_path):

@@ -123,7 +123,7 @@ def test_disable_adapter_gives_base_logits_and_its_exit_restores_the_adapter(ran
 
 def test_pitfall_plain_set_adapter_after_an_eval_forward_trains_the_lm_head_lora_once(ranks):
     """peft 0.21.2: not what the guide describes. If this fails, check whether PEFT now reshards in set_adapter
-    (then the workaround is no longer needed; update sft_recipe/adapters_fsdp2.py and the README)."""
+    (then the workaround is no longer needed; update sft_recipe/adapters_fsdp2.py and docs/guide-caveats.md)."""
     for facts in ranks:
         sizes = facts["setup"]["params_per_group"]
         run = facts["plain_switch_while_gathered"]

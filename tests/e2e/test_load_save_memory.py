@@ -1,4 +1,4 @@
-"""What loading and saving cost at the ends of a run, read from run_facts.json of real `accelerate launch` runs.
+"""What loading and saving cost at the ends of a run, read from run_record.json of real `accelerate launch` runs.
 
 A 1024x4 Llama (149 MiB fp32) on 2 CPU ranks, launched with MALLOC_MMAP_THRESHOLD_=65536 so that anonymous RSS
 follows live tensor bytes (report.RssWatch says why). Each run evaluates at its last step, checkpoints every step
@@ -52,21 +52,23 @@ def runs(tiny, bench_model, tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["fsdp1", "fsdp2"])
 def test_every_save_adds_at_most_the_adapter(runs, name):
-    facts = runs[name].facts
-    adapter_mib = facts["final_save"]["adapter_mib"]
+    facts = runs[name].record
+    adapter_mib = facts["saves"]["final"]["adapter_mib"]
     bound = 2 * adapter_mib + MEMORY_SLACK_MIB
-    assert facts["final_save"]["rss_anon_added_mib_per_rank"][0] <= bound, facts["final_save"]
-    assert len(facts["checkpoint_saves"]) == 2
-    for save in facts["checkpoint_saves"]:
-        assert max(save["rss_anon_added_mib_per_rank"]) <= bound, facts["checkpoint_saves"]
+    assert facts["saves"]["final"]["rss_anon_added_mib_per_rank"][0] <= bound, facts["saves"]["final"]
+    assert len(facts["saves"]["checkpoints"]) == 2
+    for save in facts["saves"]["checkpoints"]:
+        assert max(save["rss_anon_added_mib_per_rank"]) <= bound, facts["saves"]["checkpoints"]
 
 
 def test_efficient_loading_reads_weights_once_and_trains_the_same(runs):
-    fsdp1, fsdp2 = runs["fsdp1"].facts, runs["fsdp2"].facts
-    model_mib = fsdp1["weight_mib_after_load_per_rank"][0]
-    assert model_mib > 140 and fsdp1["weight_mib_after_load_per_rank"][1] == model_mib  # FSDP1 on CPU: every rank
-    assert fsdp2["weight_mib_after_load_per_rank"] == [model_mib, 0.0]  # FSDP2: rank 1 built on meta
-    assert fsdp2["losses"] == pytest.approx(fsdp1["losses"], rel=1e-5)
+    fsdp1, fsdp2 = runs["fsdp1"].record, runs["fsdp2"].record
+    loaded1 = fsdp1["memory"]["weight_mib_after_load_per_rank"]
+    loaded2 = fsdp2["memory"]["weight_mib_after_load_per_rank"]
+    model_mib = loaded1[0]
+    assert model_mib > 140 and loaded1[1] == model_mib  # FSDP1 on CPU: every rank
+    assert loaded2 == [model_mib, 0.0]  # FSDP2: rank 1 built on meta
+    assert fsdp2["training"]["losses"] == pytest.approx(fsdp1["training"]["losses"], rel=1e-5)
     a = load_file(str(runs["fsdp1"].output_dir / "adapter_model.safetensors"))
     b = load_file(str(runs["fsdp2"].output_dir / "adapter_model.safetensors"))
     assert a.keys() == b.keys()
@@ -87,18 +89,18 @@ def test_4bit_loads_a_quantized_copy_on_every_rank(tiny, bench_model, tmp_path):
                            "--use_4bit_quantization", "True", "--bnb_4bit_quant_storage_dtype", "float32",
                            "--bnb_4bit_compute_dtype", "float32"])
     assert result.returncode == 0, result.output[-4000:]
-    loaded = result.facts["weight_mib_after_load_per_rank"]
+    loaded = result.record["memory"]["weight_mib_after_load_per_rank"]
     assert loaded[0] == loaded[1] > 0, loaded
     assert loaded[0] < 0.3 * 149, "a 4-bit copy (packed weights + fp32 embeddings/head), not the fp32 model"
 
 
 def test_nothing_stays_unsharded_after_evaluation(runs):
-    facts = runs["fsdp2"].facts
-    assert facts["eval_losses"], "the run must evaluate for this to mean anything"
-    unsharded = facts["fsdp2_unsharded_params"]
+    facts = runs["fsdp2"].record
+    assert facts["training"]["eval_losses"], "the run must evaluate for this to mean anything"
+    unsharded = facts["memory"]["fsdp2_unsharded_params"]
     assert unsharded["after_evaluation"] > 0, "evaluation no longer leaves a unit unsharded: the fix may go"
     assert unsharded["at_train_end"] == 0
-    assert facts["frozen_changed"] is False and facts["trainable_changed"] is True
+    assert facts["weights"]["frozen_changed"] is False and facts["weights"]["trainable_changed"] is True
     assert "frozen weights unchanged" in runs["fsdp2"].output
-    assert json.loads((runs["fsdp2"].output_dir / "run_facts.json").read_text())["dtensor_params"] > 0
-    assert torch.isfinite(torch.tensor(facts["losses"])).all()
+    assert json.loads((runs["fsdp2"].output_dir / "run_record.json").read_text())["distribution"]["dtensor_params"] > 0
+    assert torch.isfinite(torch.tensor(facts["training"]["losses"])).all()

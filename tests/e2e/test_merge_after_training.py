@@ -52,7 +52,8 @@ def test_fsdp1_lora_adapter_merges_after_training(tiny, tmp_path):
         "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
         "--chat_template_format", "chatml", *TRAIN_FLAGS])
     assert result.returncode == 0, result.output[-6000:]
-    assert result.facts["fsdp_version"] == 1 and result.facts["wrapped_class"] == "FullyShardedDataParallel"
+    how = result.record["distribution"]
+    assert how["fsdp_version"] == 1 and how["wrapped_class"] == "FullyShardedDataParallel"
 
     # Under the launcher, with 2 ranks: refused before anything loads, with the plain command to run instead.
     refused = run_command([os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file",
@@ -83,9 +84,9 @@ def test_qlora_adapter_merges_into_the_bf16_base(tiny, tmp_path):
         "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
         "--chat_template_format", "none", *TRAIN_FLAGS, *QLORA_FLAGS])
     assert result.returncode == 0, result.output[-6000:]
-    assert result.facts["quantization"] == "4bit"  # train.py records it; the merge reads it
+    assert result.record["run"]["quantization"] == "4bit"  # train.py records it; the merge reads it
 
-    merged = _merge(out, merged_dir)  # no --dtype: the 4-bit training is detected from run_facts.json
+    merged = _merge(out, merged_dir)  # no --dtype: the 4-bit training is detected from run_record.json
     assert merged.returncode == 0, merged.output[-4000:]
     print(merged.output.strip().splitlines()[-1])
     assert "dtype bfloat16" in merged.output and "QLoRA" in merged.output and "check OK" in merged.output

@@ -69,11 +69,12 @@ def test_two_machines_over_loopback_train_what_one_machine_trains(tiny, tmp_path
     reference = launch_train("cpu/fsdp_config.yaml", tmp_path / "one-machine", [*data, *FLAGS])
     assert reference.returncode == 0, reference.output[-4000:]
 
-    facts = json.loads((out / "run_facts.json").read_text())
-    assert (facts["distributed_type"], facts["fsdp_version"], facts["num_processes"]) == ("FSDP", 1, 2)
+    facts = json.loads((out / "run_record.json").read_text())
+    how = facts["distribution"]
+    assert (how["distributed_type"], how["fsdp_version"], how["num_processes"]) == ("FSDP", 1, 2)
     # Global rank 0 (the main process: summary, adapter check) ran on machine 0, as --machine_rank asked.
     assert "run summary:" in logs[0] and "run summary:" not in logs[1]
-    losses, reference_losses = facts["losses"], reference.facts["losses"]
+    losses, reference_losses = facts["training"]["losses"], reference.record["training"]["losses"]
     assert len(losses) == len(reference_losses) == 8
     for step, (a, b) in enumerate(zip(losses, reference_losses), start=1):
         assert abs(a - b) <= RELATIVE_TOLERANCE * abs(b), f"step {step}: {a} vs {b}"
@@ -138,8 +139,8 @@ def test_slurm_script_preempted_by_usr1_requeues_then_resumes(tiny, tmp_path):
                              env=env_for(SLURM_RESTART_COUNT="1"), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-4000:]
-    facts = json.loads((out / "run_facts.json").read_text())
-    assert facts["global_steps"] == 40
+    facts = json.loads((out / "run_record.json").read_text())
+    assert facts["training"]["global_steps"] == 40
     preempted_at = max(int(marker.parent.name.split("-")[1]) for marker in stopped_at)
     assert resumed.stdout.count("'loss'") == 40 - preempted_at, "the requeued job trained only the steps left"
     assert "adapter check OK" in resumed.stdout

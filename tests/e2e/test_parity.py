@@ -48,7 +48,7 @@ def runs(tiny, tmp_path_factory):
         result = launch_train(config, out, ["--model_name_or_path", str(tiny.model_dir),
                                             "--dataset_name", str(tiny.jsonl_dir), *FLAGS, *extra])
         assert result.returncode == 0, f"{name}:\n{result.output[-4000:]}"
-        results[name] = (result.facts["losses"], load_file(str(out / "adapter_model.safetensors")))
+        results[name] = (result.record["training"]["losses"], load_file(str(out / "adapter_model.safetensors")))
     return results
 
 
@@ -75,7 +75,7 @@ def test_known_difference_the_short_last_batch_of_an_epoch(tiny, tmp_path):
             "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir), *FLAGS,
             "--max_steps", "8", "--dataloader_drop_last", drop_last, "--per_device_train_batch_size", batch])
         assert result.returncode == 0, result.output[-4000:]
-        losses[name] = result.facts["losses"]
+        losses[name] = result.record["training"]["losses"]
 
     def close(a, b):
         return abs(a - b) <= RELATIVE_TOLERANCE * abs(b)

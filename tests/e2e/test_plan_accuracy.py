@@ -39,9 +39,9 @@ def test_fsdp_peak_rss_per_rank_matches_the_plan(tiny, weighty_model, tmp_path):
     args = ["--model_name_or_path", str(weighty_model), "--dataset_name", str(tiny.jsonl_dir), *FLAGS]
     result = launch_train("cpu/fsdp_config.yaml", tmp_path / "run", args)
     assert result.returncode == 0, result.output[-6000:]
-    facts = result.facts
-    assert facts["distributed_type"] == "FSDP" and facts["num_processes"] == 2
-    measured = facts["peak_rss_mib_per_rank"]
+    facts = result.record
+    assert facts["distribution"]["distributed_type"] == "FSDP" and facts["distribution"]["num_processes"] == 2
+    measured = facts["memory"]["peak_rss_mib_per_rank"]
 
     model_args, data_args, _, training_args = parse_train_flags(args, "cpu")
     config = read_accelerate_config(REPO / "configs" / "cpu" / "fsdp_config.yaml")

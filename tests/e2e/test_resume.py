@@ -42,7 +42,7 @@ def test_resume_matches_the_uninterrupted_run(name, tiny, tmp_path):
     resumed = launch_train(config, resumed_dir, [*common, "--resume_from_checkpoint", "latest"])
     assert resumed.returncode == 0, resumed.output[-5000:]
 
-    a, b = full.facts["losses"], resumed.facts["losses"]
+    a, b = full.record["training"]["losses"], resumed.record["training"]["losses"]
     assert len(a) == len(b) == 8
     for step in range(4, 8):  # steps 5..8 were computed after the resume
         assert abs(a[step] - b[step]) <= RELATIVE_TOLERANCE * abs(a[step]), (step + 1, a, b)

@@ -34,7 +34,7 @@ def _run(config, tiny, output_dir, ranks, extra=()):
     result = launch_train(config, output_dir, [*common, *LAYOUTS[ranks], *extra],
                           launcher_args=("--num_processes", str(ranks)))
     assert result.returncode == 0, result.output[-5000:]
-    assert result.facts["num_processes"] == ranks
+    assert result.record["distribution"]["num_processes"] == ranks
     return result
 
 
@@ -50,9 +50,9 @@ def test_resume_on_four_ranks_then_back_on_two(config, tiny, tmp_path):
     b = _resume(config, tiny, tmp_path / "a", "checkpoint-2", tmp_path / "b", 4)
     assert "resuming on 4 ranks from a checkpoint of 2" in b.output
     c = _resume(config, tiny, tmp_path / "b", "checkpoint-4", tmp_path / "c", 2)
-    reference = a.facts["losses"]
+    reference = a.record["training"]["losses"]
     for run, first_resumed_step in ((b, 3), (c, 5)):
-        losses = run.facts["losses"]
+        losses = run.record["training"]["losses"]
         assert len(losses) == len(reference) == 6
         for step in range(first_resumed_step - 1, 6):
             assert abs(losses[step] - reference[step]) <= RELATIVE_TOLERANCE * abs(reference[step]), \

@@ -73,37 +73,39 @@ def test_train_save_verify_reload(name, tiny, tmp_path):
         "--chat_template_format", chat_format, *TRAIN_FLAGS, *extra,
     ], env=env)
     assert result.returncode == 0, result.output[-6000:]
-    facts = result.facts
+    facts = result.record
 
     # It ran the way the config says, and FSDP really wrapped the model (accelerate can silently run DDP on CPU).
-    assert facts["distributed_type"] == distributed_type and facts["fsdp_version"] == fsdp_version
+    how = facts["distribution"]
+    assert how["distributed_type"] == distributed_type and how["fsdp_version"] == fsdp_version
     if fsdp_version == 1:
-        assert facts["wrapped_class"] == "FullyShardedDataParallel" and facts["num_processes"] == 2
+        assert how["wrapped_class"] == "FullyShardedDataParallel" and how["num_processes"] == 2
         # PEFT's auto-wrap policy (applied by transformers) keeps LoRA and frozen weights in separate flat params.
-        assert facts["fsdp1_flat_params"]["trainable"] > 0 and facts["fsdp1_flat_params"]["frozen"] > 0
+        assert how["fsdp1_flat_params"]["trainable"] > 0 and how["fsdp1_flat_params"]["frozen"] > 0
     elif fsdp_version == 2:
-        assert facts["wrapped_class"].startswith("FSDP") and facts["dtensor_params"] > 0
-        assert facts["num_processes"] == 2
+        assert facts["distribution"]["wrapped_class"].startswith("FSDP") and facts["distribution"]["dtensor_params"] > 0
+        assert facts["distribution"]["num_processes"] == 2
     else:
-        assert facts["num_processes"] == 1 and facts["fsdp_modules"] == 0
+        assert facts["distribution"]["num_processes"] == 1 and facts["distribution"]["fsdp_modules"] == 0
 
     # Learning happened, to the right weights.
-    losses = facts["losses"]
+    losses = facts["training"]["losses"]
     assert len(losses) == 8 and _mean(losses[-2:]) < _mean(losses[:2]) - 0.05, losses
-    assert facts["frozen_changed"] is False and facts["trainable_changed"] is True
+    assert facts["weights"]["frozen_changed"] is False and facts["weights"]["trainable_changed"] is True
     assert "frozen weights unchanged, trainable weights moved" in result.output  # the run summary line
 
     # Memory facts per rank: model state (shards under FSDP) and resident memory once the model was loaded.
-    assert len(facts["model_state_mib_per_rank"]) == facts["num_processes"]
-    assert all(v > 0 for v in facts["model_state_mib_per_rank"])
-    assert all(v > 50 for v in facts["rss_anon_after_load_mib_per_rank"])  # torch + transformers alone are more
+    assert len(facts["memory"]["model_state_mib_per_rank"]) == facts["distribution"]["num_processes"]
+    assert all(v > 0 for v in facts["memory"]["model_state_mib_per_rank"])
+    assert all(v > 50 for v in facts["memory"]["rss_anon_after_load_mib_per_rank"])  # torch + transformers alone
 
     # Live throughput and memory in every training log, the end-of-run summary and plot, one progress bar.
-    summary = json.loads((out / "run_summary.json").read_text())
-    assert summary["global_steps"] == 8 and len(summary["losses"]) == 8 and summary["tokens_per_second"] > 0
-    assert len(summary["peak_memory_gib_per_rank"]) == facts["num_processes"]
-    assert all(0.2 < gib < 8 for gib in summary["peak_memory_gib_per_rank"])  # RSS of a tiny-model CPU run
-    assert summary["config"]["model"]["lora_r"] == 8 and summary["flops_per_token"] > 0
+    summary = json.loads((out / "run_record.json").read_text())
+    assert summary["training"]["global_steps"] == 8 and len(summary["training"]["losses"]) == 8
+    assert summary["throughput"]["tokens_per_second"] > 0
+    assert len(summary["memory"]["peak_memory_gib_per_rank"]) == facts["distribution"]["num_processes"]
+    assert all(0.2 < gib < 8 for gib in summary["memory"]["peak_memory_gib_per_rank"])  # RSS of a tiny-model CPU run
+    assert summary["run"]["config"]["model"]["lora_r"] == 8 and summary["throughput"]["flops_per_token"] > 0
     assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result.output.count("'tokens_per_second': ") == 8
     assert result.output.count("0/8 [") == 1, "one training progress bar, not one per rank"
@@ -136,7 +138,7 @@ def test_train_save_verify_reload(name, tiny, tmp_path):
 
 def test_checkpoint_adapters_are_verified_too(tiny, tmp_path):
     """Every save that writes adapter files goes through the same checked save as the final adapter."""
-    from sft_recipe.adapter import check_adapter
+    from sft_recipe.artifacts.adapter import check_adapter
 
     out = tmp_path / "ckpt"
     result = launch_train("cpu/single.yaml", out, [
@@ -162,6 +164,6 @@ def test_checkpoint_adapters_are_verified_too(tiny, tmp_path):
         *TRAIN_FLAGS, "--save_strategy", "steps", "--save_steps", "4", "--resume_from_checkpoint", "latest",
     ])
     assert resumed.returncode == 0, resumed.output[-6000:]
-    a, b = result.facts["losses"], resumed.facts["losses"]
+    a, b = result.record["training"]["losses"], resumed.record["training"]["losses"]
     for step in range(4, 8):
         assert abs(a[step] - b[step]) <= RELATIVE_TOLERANCE * abs(a[step]), (step + 1, a, b)

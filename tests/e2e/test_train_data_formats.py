@@ -73,8 +73,9 @@ def test_answer_only_formats_under_fsdp_train_the_answers_only(tiny, format_data
         "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(format_datasets[case]), *FLAGS,
         "--packing", "False"])
     _assert_trained(result, CASES[case][0], True, _answer_tokens(tiny))
-    facts = result.facts
-    assert facts["fsdp_version"] == version and facts["num_processes"] == 2 and facts["fsdp_modules"] > 0  # real FSDP
+    facts = result.record
+    how = facts["distribution"]
+    assert how["fsdp_version"] == version and how["num_processes"] == 2 and how["fsdp_modules"] > 0  # real FSDP
     assert result.output.count("data report") == 1  # one block, from the main process
 
 

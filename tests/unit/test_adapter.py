@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sft_recipe.adapter import ADAPTER_WEIGHTS, check_adapter
+from sft_recipe.artifacts.adapter import ADAPTER_WEIGHTS, check_adapter
 
 
 @pytest.fixture()
@@ -92,7 +92,7 @@ def test_a_failed_check_never_replaces_the_previous_adapter(tiny, trained_adapte
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sft_recipe.adapter import AdapterCheckError, _write_and_check
+    from sft_recipe.artifacts.adapter import AdapterCheckError, _write_and_check
 
     out = tmp_path / "out"
     out.mkdir()
@@ -114,7 +114,7 @@ def test_a_passing_check_moves_the_files_into_place(tiny, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sft_recipe.adapter import _write_and_check
+    from sft_recipe.artifacts.adapter import _write_and_check
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tiny.model_dir)),
                            LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))

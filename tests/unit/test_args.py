@@ -2,7 +2,7 @@
 
 import pytest
 
-from sft_recipe.args import ConfigError, parse_args
+from sft_recipe.config.args import ConfigError, parse_args
 
 GUIDE_FLAGS = [
     "--seed", "100", "--model_name_or_path", "m", "--dataset_name", "d", "--chat_template_format", "chatml",

@@ -3,9 +3,9 @@
 import pytest
 from datasets import Dataset
 
-from sft_recipe.args import ConfigError, DataTrainingArguments, ModelArguments
-from sft_recipe.data import load_splits, prepare_for_trl
-from sft_recipe.model import fit_embeddings_to_tokenizer, load_tokenizer
+from sft_recipe.config.args import ConfigError, DataTrainingArguments, ModelArguments
+from sft_recipe.data.prepare import load_splits, prepare_for_trl
+from sft_recipe.train.model import fit_embeddings_to_tokenizer, load_tokenizer
 
 CONVERSATION = [{"role": "system", "content": "Answer in one short sentence."},
                 {"role": "user", "content": "What is the opposite of hot?"},

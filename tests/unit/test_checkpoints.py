@@ -2,15 +2,15 @@
 
 import pytest
 
-from sft_recipe.args import ConfigError, parse_args
-from sft_recipe.checkpoints import (
+from sft_recipe.artifacts.checkpoints import (
     COMPLETE_MARKER,
     latest_complete_checkpoint,
     mark_complete,
     move_previous_run_aside,
     resolve_resume,
 )
-from sft_recipe.validate import validate
+from sft_recipe.config.args import ConfigError, parse_args
+from sft_recipe.config.validate import validate
 
 
 def _checkpoint(root, step, complete=True):
@@ -47,7 +47,7 @@ def test_marker_is_written_whole(tmp_path):
 
 
 def test_an_interrupted_write_leaves_the_previous_file_whole(tmp_path):
-    from sft_recipe.state_io import write_atomically
+    from sft_recipe.artifacts.state_io import write_atomically
 
     target = tmp_path / "scheduler.json"
     target.write_text("previous")
@@ -92,8 +92,11 @@ def test_a_resume_that_loads_nothing_stops_the_run(tiny, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from sft_recipe.trainer import RecipeSFTTrainer, ResumeError
+    from sft_recipe import compat
+    from sft_recipe.config.launch_env import LaunchEnv
+    from sft_recipe.train.trainer import RecipeSFTTrainer, ResumeError
 
+    compat.install(LaunchEnv())
     tokenizer = AutoTokenizer.from_pretrained(str(tiny.model_dir))
     tokenizer.pad_token = tokenizer.eos_token
     trainer = RecipeSFTTrainer(
@@ -113,7 +116,7 @@ def test_a_resume_that_loads_nothing_stops_the_run(tiny, tmp_path, monkeypatch):
 
 
 def test_a_resume_on_other_ranks_must_keep_the_global_batch(tmp_path):
-    from sft_recipe.checkpoints import mark_complete, resume_layout_problems
+    from sft_recipe.artifacts.checkpoints import mark_complete, resume_layout_problems
 
     checkpoint = tmp_path / "checkpoint-4"
     checkpoint.mkdir()

@@ -5,8 +5,8 @@ import json
 import pytest
 from datasets import Dataset, DatasetDict
 
-from sft_recipe.args import ConfigError, DataTrainingArguments
-from sft_recipe.data import load_splits, locate_splits, prepare_for_trl
+from sft_recipe.config.args import ConfigError, DataTrainingArguments
+from sft_recipe.data.prepare import load_splits, locate_splits, prepare_for_trl
 
 ROWS = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
         for i in range(6)]
@@ -91,7 +91,7 @@ def test_text_rows_keep_only_text_and_get_bos_when_asked(tmp_path):
 
 
 def test_upstream_flags_that_do_nothing_say_so():
-    from sft_recipe.data import dataset_flag_notes
+    from sft_recipe.data.prepare import dataset_flag_notes
 
     notes = dataset_flag_notes(DataTrainingArguments(append_concat_token=False, add_special_tokens=True), True)
     assert any("--append_concat_token False has no effect" in n for n in notes)

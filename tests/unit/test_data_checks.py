@@ -7,10 +7,10 @@ import logging
 import pytest
 from datasets import Dataset
 
-from sft_recipe.args import ConfigError, DataTrainingArguments, ModelArguments
-from sft_recipe.data import prepare, read_splits
-from sft_recipe.data_checks import MAX_LISTED
-from sft_recipe.model import load_tokenizer
+from sft_recipe.config.args import ConfigError, DataTrainingArguments, ModelArguments
+from sft_recipe.data.checks import MAX_LISTED
+from sft_recipe.data.prepare import prepare, read_splits
+from sft_recipe.train.model import load_tokenizer
 
 
 def _turns(*pairs):

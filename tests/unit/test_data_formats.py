@@ -7,11 +7,11 @@ import json
 import pytest
 from datasets import Dataset
 
-from sft_recipe.args import ConfigError, DataTrainingArguments, ModelArguments
-from sft_recipe.data import prepare, prepare_for_trl, read_splits
-from sft_recipe.data_formats import detect_format
-from sft_recipe.data_report import LOSS_MARK, measure, preview, tokenize_like_trl
-from sft_recipe.model import load_tokenizer
+from sft_recipe.config.args import ConfigError, DataTrainingArguments, ModelArguments
+from sft_recipe.data.formats import detect_format
+from sft_recipe.data.prepare import prepare, prepare_for_trl, read_splits
+from sft_recipe.data.report import LOSS_MARK, measure, preview, tokenize_like_trl
+from sft_recipe.train.model import load_tokenizer
 
 ANSWER_ONLY = "completion"  # trained text is the answer + EOS
 EVERYTHING = "all"  # trained text is the whole rendered example

@@ -5,16 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sft_recipe.args import ModelArguments
-from sft_recipe.gather import _owning_unit, adapter_state_keys
-from sft_recipe.model import materialize_meta_parameters, model_without_weights, weights_arrive_from_rank0
+from sft_recipe.artifacts.gather import _owning_unit, adapter_state_keys
+from sft_recipe.config.args import ModelArguments
+from sft_recipe.config.launch_env import read_launch_env
+from sft_recipe.train.model import materialize_meta_parameters, model_without_weights, weights_arrive_from_rank0
 
 
 def _peft(tiny, chat_template_format="none"):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from sft_recipe.model import fit_embeddings_to_tokenizer, load_tokenizer, lora_config
+    from sft_recipe.train.model import fit_embeddings_to_tokenizer, load_tokenizer, lora_config
 
     args = ModelArguments(model_name_or_path=str(tiny.model_dir), use_peft_lora=True, lora_r=2,
                           lora_target_modules="q_proj,v_proj", chat_template_format=chat_template_format)
@@ -53,11 +54,9 @@ def test_the_deepest_unit_owns_a_key():
     # 4-bit: accelerate 1.15 skips its rank-0 broadcast for Params4bit models, so every rank must quantize its own.
     ({"ACCELERATE_USE_FSDP": "true", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "LOCAL_RANK": "1"}, True, False),
 ])
-def test_only_other_ranks_of_an_efficient_load_skip_the_weights(tiny, monkeypatch, env, quantized, expected):
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+def test_only_other_ranks_of_an_efficient_load_skip_the_weights(tiny, env, quantized, expected):
     args = ModelArguments(model_name_or_path=str(tiny.model_dir), use_4bit_quantization=quantized)
-    assert weights_arrive_from_rank0(args) is expected
+    assert weights_arrive_from_rank0(args, read_launch_env(env)) is expected
 
 
 def test_a_model_without_weights_keeps_real_buffers_and_gets_placeholder_storage(tiny):

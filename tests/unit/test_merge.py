@@ -36,7 +36,7 @@ def _peft_model(model_dir, tokenizer=None, **lora_kwargs):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from sft_recipe.model import fit_embeddings_to_tokenizer
+    from sft_recipe.train.model import fit_embeddings_to_tokenizer
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -108,14 +108,14 @@ def test_added_tokens_resize_the_base_to_the_saved_tokenizer(tiny, tmp_path, row
     """A chatml run adds tokens: the merged model has exactly len(tokenizer) rows, the trained new rows included,
     and generation stops at the chat format's end-of-turn token. The new rows come either in the saved full
     embedding (PEFT saves it when the vocabulary grew) or as PEFT trainable-token rows (--train_new_tokens)."""
-    from sft_recipe.args import ModelArguments
-    from sft_recipe.model import load_tokenizer
+    from sft_recipe.config.args import ModelArguments
+    from sft_recipe.train.model import load_tokenizer
 
     tokenizer = load_tokenizer(ModelArguments(model_name_or_path=str(tiny.model_dir), chat_template_format="chatml"))
     base_rows = json.loads((tiny.model_dir / "config.json").read_text())["vocab_size"]
     new_ids = list(range(base_rows, len(tokenizer)))
     assert new_ids
-    if rows == "trainable_tokens":  # as sft_recipe.model.lora_config builds it
+    if rows == "trainable_tokens":  # as sft_recipe.train.model.lora_config builds it
         model = _peft_model(tiny.model_dir, tokenizer,
                             trainable_token_indices={"embed_tokens": new_ids, "lm_head": new_ids})
     else:
@@ -224,10 +224,16 @@ def test_distributed_launcher_is_refused(lora_adapter, tmp_path, capsys, monkeyp
 ])
 def test_dtype_choice(lora_adapter, tmp_path, no_weight_loading, facts, dtype, expected):
     if facts is not None:
-        (lora_adapter / "run_facts.json").write_text(json.dumps(facts))
+        (lora_adapter / "run_record.json").write_text(json.dumps({"run": facts}))  # the run record's "run" section
     plan = plan_merge(lora_adapter, tmp_path / "merged", dtype=dtype)
     assert plan.dtype == expected
     assert bool(plan.notes) == (facts == {})  # tells the user to pass --dtype for QLoRA when it cannot know
+
+
+def test_an_adapter_from_before_the_run_record_still_merges_into_the_bf16_base(lora_adapter, tmp_path,
+                                                                             no_weight_loading):
+    (lora_adapter / "run_facts.json").write_text(json.dumps({"quantization": "4bit"}))  # the earlier file, flat
+    assert plan_merge(lora_adapter, tmp_path / "merged").dtype == torch.bfloat16
 
 
 # ---- the check catches a wrong merge, and nothing is published --------------------------------------------------

@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from sft_recipe.args import ConfigError
+from sft_recipe.config.args import ConfigError
 from sft_recipe.plan import (
     GIB,
     PUBLISHED,
@@ -32,7 +32,7 @@ from sft_recipe.plan import (
 )
 from tests.helpers import REPO, launch_env
 
-LLAMA_70B = str(REPO / "configs" / "models" / "llama-2-70b")
+LLAMA_70B = str(REPO / "sft_recipe" / "plan" / "models" / "llama-2-70b")
 KNOBS = {"cuda_context_gib": 1.0, "allocator_reserve": 0.1, "host_runtime_gib": 3.0}
 
 
@@ -96,7 +96,7 @@ def test_llama_2_70b_config_has_the_published_size(shape_70b):
 
 def test_planning_reads_no_weights(tmp_path):
     """A folder with config.json only (no weights) plans fine: the model is built on the meta device."""
-    (tmp_path / "config.json").write_text((REPO / "configs/models/llama-2-70b/config.json").read_text())
+    (tmp_path / "config.json").write_text((REPO / "sft_recipe/plan/models/llama-2-70b/config.json").read_text())
     shape = model_shape(str(tmp_path))
     assert shape.total_params > 6.8e10 and shape.checkpoint_bytes == shape.total_params * 2  # float16 on disk
 
@@ -254,7 +254,7 @@ def test_the_plan_knows_the_adapter_only_save_and_the_load():
     beside it; cpu_ram_efficient_loading loads one copy per machine for LoRA, one per rank for 4-bit."""
     plans = guide_plans()
     lora = {r.name: r.bytes for r in plans["lora-8x80"].host_rows}
-    shape = model_shape(str(REPO / "configs" / "models" / "llama-2-70b"), extra_vocab=8)  # chatml's tokens
+    shape = model_shape(LLAMA_70B, extra_vocab=8)  # chatml's tokens
     weights_fp32 = shape.total_params * 4
     assert lora["upstream's final save (rank 0)"] == pytest.approx(weights_fp32, rel=1e-4)
     # the recipe resizes the vocabulary (chatml): the adapter then holds the fp32 embedding and head, ~2 GiB
@@ -316,14 +316,16 @@ def test_cpu_offload_is_refused_for_a_cpu_run(tiny):
 
 
 def test_plan_from_the_launcher_environment(tiny, monkeypatch):
-    """train.py calls plan_memory(..., accelerate_config="env") inside `accelerate launch`."""
+    """train.py plans with the accelerate config its launcher exported (LaunchEnv.accelerate_config())."""
     for key, value in {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                        "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "true",
                        "FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "ACCELERATE_MIXED_PRECISION": "no"}.items():
         monkeypatch.setenv(key, value)
     model_args, data_args, _, training_args = parse_train_flags(
         ["--model_name_or_path", str(tiny.model_dir), "--use_peft_lora", "True"], "cpu")
-    plan = plan_memory(model_args, data_args, training_args, "env", None, 8.0, "cpu")
+    from sft_recipe.config.launch_env import read_launch_env
+
+    plan = plan_memory(model_args, data_args, training_args, read_launch_env().accelerate_config(), None, 8.0, "cpu")
     assert "FSDP2 FULL_SHARD, 2 processes" in plan.setup and len(plan.per_rank_bytes) == 2
     assert os.environ["WORLD_SIZE"] == "2"
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from sft_recipe.checkpoints import mark_complete, resolve_resume
-from sft_recipe.state_io import (
+from sft_recipe.artifacts.checkpoints import mark_complete, resolve_resume
+from sft_recipe.artifacts.state_io import (
     load_optimizer,
     load_rng_state,
     load_scheduler,
@@ -105,7 +105,7 @@ def test_state_that_json_cannot_hold_is_refused(tmp_path):
         def state_dict(self):
             return {"fn": object()}
 
-    from sft_recipe.state_io import StateFileError
+    from sft_recipe.artifacts.state_io import StateFileError
 
     with pytest.raises(StateFileError, match="without pickling"):
         save_scheduler(Scheduler(), tmp_path / "scheduler.json")

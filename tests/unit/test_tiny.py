@@ -1,19 +1,20 @@
-"""Tests for sft_recipe.tiny: the offline tiny model, tokenizer, datasets and the answer scorer."""
+"""Tests for sft_recipe.tiny: the offline tiny model, tokenizer and datasets, and that the library never imports it."""
 
 from __future__ import annotations
 
+import ast
 import csv
 import hashlib
 import json
 import os
-import re
+from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from sft_recipe import tiny
+from sft_recipe.tiny import store
 
 torch.set_num_threads(1)
 
@@ -120,7 +121,7 @@ def test_leftover_temp_folder_is_not_taken_as_ready(tmp_path):
     # A build killed just before its final rename: complete, stamped, but still under its temp name.
     leftover = tmp_path / ".tiny.tmp-killed"
     (leftover / "model").mkdir(parents=True)
-    (leftover / "READY").write_text(json.dumps(tiny._stamp(64, 2, 0)))
+    (leftover / "READY").write_text(json.dumps(store._stamp(64, 2, 0)))
     assert not tiny.is_ready(root)
 
     tiny.build_tiny(root)
@@ -133,7 +134,7 @@ def test_failed_build_leaves_nothing_that_looks_ready(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise RuntimeError("simulated crash while writing the datasets")
 
-    monkeypatch.setattr(tiny, "_write_data", crash)
+    monkeypatch.setattr(store, "_write_data", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         tiny.build_tiny(tmp_path / "tiny")
     assert list(tmp_path.iterdir()) == []
@@ -338,100 +339,73 @@ def test_splits_share_facts_but_not_phrasings(bundle, tokenizer):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# score_answers
+# The library never imports the demo
 # ------------------------------------------------------------------------------------------------------------------
 
-
-class _Oracle(torch.nn.Module):
-    """A fake causal LM that always predicts the next token of whichever reference sequence it is reading."""
-
-    def __init__(self, sequences: list[list[int]], vocab_size: int, fallback_id: int) -> None:
-        super().__init__()
-        self.anchor = torch.nn.Parameter(torch.zeros(1))  # gives score_answers a device to read
-        self.vocab_size = vocab_size
-        self.fallback_id = fallback_id
-        self.next_token: dict[tuple[int, ...], int] = {}
-        for sequence in sequences:
-            for end in range(1, len(sequence)):
-                self.next_token[tuple(sequence[:end])] = sequence[end]
-
-    def forward(self, input_ids: torch.Tensor, **kwargs) -> SimpleNamespace:
-        batch, length = input_ids.shape
-        logits = torch.zeros(batch, length, self.vocab_size)
-        for row in range(batch):
-            prefix = input_ids[row].tolist()
-            for end in range(1, length + 1):
-                logits[row, end - 1, self.next_token.get(tuple(prefix[:end]), self.fallback_id)] = 1.0
-        return SimpleNamespace(logits=logits)
+LIBRARY = Path(tiny.__file__).resolve().parents[1]  # sft_recipe/
+DEMO = "sft_recipe.tiny"
 
 
-def test_score_answers_is_perfect_for_an_oracle(tokenizer):
-    conversations = tiny.make_conversations("test")[:9]
-    references = [tokenizer(tokenizer.apply_chat_template(m, tokenize=False))["input_ids"] for m in conversations]
-    oracle = _Oracle(references, len(tokenizer), fallback_id=tokenizer.eos_token_id)
-    result = tiny.score_answers(oracle, tokenizer, conversations, batch_size=4)
-    assert result["exact_match"] == 1.0
-    assert result["answer_token_accuracy"] == 1.0
-    assert [sample[1] for sample in result["samples"]] == [m[-1]["content"] for m in conversations]
-    assert [sample[2] for sample in result["samples"]] == [m[-1]["content"] for m in conversations]
-    assert result["samples"][0][0] == tokenizer.apply_chat_template(
-        conversations[0][:-1], add_generation_prompt=True, tokenize=False
-    )
-
-    # An oracle for the wrong answers scores zero exact matches and loses the answer tokens.
-    wrong = [[*m[:-1], {"role": "assistant", "content": "The colour of snow is white."}] for m in conversations[1:]]
-    wrong_ids = [tokenizer(tokenizer.apply_chat_template(m, tokenize=False))["input_ids"] for m in wrong]
-    misled = _Oracle(wrong_ids, len(tokenizer), fallback_id=tokenizer.eos_token_id)
-    result = tiny.score_answers(misled, tokenizer, conversations[1:])
-    assert result["exact_match"] == 0.0
-    assert result["answer_token_accuracy"] < 0.6
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(LIBRARY.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def test_score_answers_on_random_base_and_peft(model, tokenizer, bundle):
-    from peft import LoraConfig, get_peft_model
-
-    conversations = tiny.heldout_conversations(bundle)[:6]
-    base = tiny.score_answers(model, tokenizer, conversations, max_new_tokens=8)
-    assert 0.0 <= base["exact_match"] <= 1.0 and 0.0 <= base["answer_token_accuracy"] <= 1.0
-    assert base["answer_token_accuracy"] < 0.2  # random weights know nothing
-    assert len(base["samples"]) == len(conversations)
-
-    # Equal-length batching must not change results.
-    one_by_one = tiny.score_answers(model, tokenizer, conversations, max_new_tokens=8, batch_size=1)
-    assert one_by_one == base
-
-    # A fresh LoRA adapter is a no-op (B is zero), so a PeftModel scores exactly like its base.
-    torch.manual_seed(0)
-    peft_model = get_peft_model(
-        model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
-    )
-    try:
-        peft_model.train()
-        wrapped = tiny.score_answers(peft_model, tokenizer, conversations, max_new_tokens=8)
-        assert peft_model.training  # mode restored
-        assert wrapped == base
-    finally:
-        peft_model.unload()  # leave the shared model fixture as it was
+def _imported_names(source: str, module: str, is_package: bool = False) -> Iterator[tuple[int, str]]:
+    """(line, absolute module name) of every import in `source`, relative ones resolved as if it were `module`."""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            target = ".".join(part for part in (base, node.module or "") if part)
+            yield node.lineno, target
+            # `from sft_recipe import tiny` / `from . import tiny` import the submodule by its attribute name.
+            for alias in node.names:
+                yield node.lineno, f"{target}.{alias.name}"
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")):
+            yield node.lineno, node.args[0].value
 
 
-def test_score_answers_uses_the_tokenizers_current_template(tokenizer):
-    conversations = tiny.make_conversations("test")[:3]
-    chatml = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
-    chatml.chat_template = (
-        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-    )
-    chatml.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    references = [chatml(chatml.apply_chat_template(m, tokenize=False))["input_ids"] for m in conversations]
-    oracle = _Oracle(references, len(chatml), fallback_id=chatml.eos_token_id)
-    result = tiny.score_answers(oracle, chatml, conversations)
-    assert all(re.match(r"<\|im_start\|>", sample[0]) for sample in result["samples"])
-    # The oracle continues past the answer with "<|im_end|>\n" then stops; special tokens are dropped.
-    assert result["exact_match"] == 1.0 and result["answer_token_accuracy"] == 1.0
+def _demo_imports(source: str, module: str, is_package: bool = False) -> list[str]:
+    return [f"line {line}: {name}" for line, name in _imported_names(source, module, is_package)
+            if name == DEMO or name.startswith(DEMO + ".")]
 
 
-def test_score_answers_rejects_bad_input(model, tokenizer):
-    with pytest.raises(ValueError):
-        tiny.score_answers(model, tokenizer, [])
-    with pytest.raises(ValueError):
-        tiny.score_answers(model, tokenizer, [[{"role": "user", "content": "hi"}]])
+@pytest.mark.parametrize("source, module, is_package", [
+    ("from .tiny import score_answers", "sft_recipe.evaluate", False),
+    ("from . import tiny", "sft_recipe.evaluate", False),
+    ("from ..tiny.store import build_tiny", "sft_recipe.plan.memory", False),
+    ("from .. import tiny", "sft_recipe.plan", True),
+    ("import sft_recipe.tiny.facts", "sft_recipe.data.prepare", False),
+    ("from sft_recipe import tiny", "sft_recipe.data.prepare", False),
+    ("def f():\n    from sft_recipe.tiny import build_tiny", "sft_recipe.data.prepare", False),
+    ("importlib.import_module('sft_recipe.tiny')", "sft_recipe.data.prepare", False),
+])
+def test_the_demo_import_check_catches_every_spelling(source, module, is_package):
+    assert _demo_imports(source, module, is_package)
+
+
+@pytest.mark.parametrize("source, module", [
+    ("from .scoring import score_answers", "sft_recipe.evaluate"),
+    ("from sft_recipe import tinyish", "sft_recipe.data.prepare"),
+    ("from .tinyness import x", "sft_recipe.data.prepare"),
+])
+def test_the_demo_import_check_passes_other_imports(source, module):
+    assert _demo_imports(source, module) == []
+
+
+def test_no_library_module_imports_the_demo():
+    demo_dir = LIBRARY / "tiny"
+    offenders = {}
+    for path in sorted(LIBRARY.rglob("*.py")):
+        if demo_dir in path.parents:
+            continue
+        found = _demo_imports(path.read_text(encoding="utf-8"), _module_name(path), path.name == "__init__.py")
+        if found:
+            offenders[str(path.relative_to(LIBRARY.parent))] = found
+    assert offenders == {}, f"the library imports the demo (move the code into the library instead): {offenders}"

@@ -1,0 +1,159 @@
+"""Workarounds for library bugs and gaps: the one place the recipe patches or steps around a library.
+
+`install(launch)` is the single entry point: called once by the entry point (train.py, and the test/bench workers
+that build a trainer without it), it installs every process-wide patch whose library version is affected.
+Call-site workarounds (a function used in one place instead of the library's own) are listed too, so that one
+table -- `WORKAROUNDS`, printed by `python -m sft_recipe.compat` -- says for each: the library and the versions it
+was written for, whether it is active here, and the test that shows when it can go.
+
+`TRAINER_OVERRIDES` lists the private `transformers.Trainer` methods `RecipeSFTTrainer` overrides: the real upgrade
+risk, since a private method may change its signature or stop being called without notice. `install` checks their
+signatures against the ones they were written for and warns, naming them, when transformers has moved.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from sft_recipe.compat.accelerate_fsdp import (
+    enable_fsdp_on_cpu,
+    gather_full_state_dict,
+    init_optimizer_state_before_fsdp1_load,
+)
+from sft_recipe.compat.peft_names import (
+    fsdp1_checkpoint_model_io_with_clean_names,
+    module_names_without_fsdp_segments,
+    strip_wrapper_segments,
+    trainable_tokens_lm_head_bias,
+)
+from sft_recipe.compat.process import exit_skipping_teardown, restore_bnb_4bit_storage_layout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Workaround:
+    name: str                 # the function in this package
+    library: str              # the distribution whose bug it works around
+    affected: str             # the versions it applies to (a PEP 440 specifier); open-ended until a fix is released
+    written_for: str          # the version it was written and tested against
+    can_go_when: str          # the test (or check) that shows the library no longer needs it
+    install: Callable | None = None  # process-wide patches: called by install(launch); None for call-site ones
+
+    def applies(self) -> bool:
+        return installed_version(self.library) in SpecifierSet(self.affected)
+
+
+WORKAROUNDS: tuple[Workaround, ...] = (
+    Workaround("enable_fsdp_on_cpu", "accelerate", ">=1.0", "1.15.0",
+               "ACCELERATE_USE_CPU=true accelerate launch --config_file configs/cpu/fsdp_config.yaml reports "
+               "DistributedType.FSDP without it (tests/e2e/test_train.py runs FSDP on CPU)",
+               install=enable_fsdp_on_cpu),
+    Workaround("fsdp1_checkpoint_model_io_with_clean_names", "peft", ">=0.21", "0.21.2",
+               "tests/e2e/test_resume.py FSDP1 matches the uninterrupted run without it",
+               install=lambda launch: fsdp1_checkpoint_model_io_with_clean_names() or True),
+    Workaround("trainable_tokens_lm_head_bias", "trl", ">=1.16", "1.16.0",
+               "tests/e2e/test_adapter_variants.py::test_new_token_rows_train_in_one_process passes without it",
+               install=lambda launch: trainable_tokens_lm_head_bias() or True),
+    Workaround("module_names_without_fsdp_segments", "peft", ">=0.21", "0.21.2",
+               "FSDP1 runs in tests/e2e stop logging 'adapter keys needed the FSDP1 name fix'"),
+    Workaround("gather_full_state_dict", "accelerate", ">=1.0", "1.15.0",
+               "accelerate passes offload_to_cpu only for non-CPU devices (tests/e2e/test_adapter_gather.py compares "
+               "against it)"),
+    Workaround("init_optimizer_state_before_fsdp1_load", "accelerate", ">=1.0", "1.15.0",
+               "tests/e2e/test_resume.py FSDP1 matches the uninterrupted run without it"),
+    Workaround("exit_skipping_teardown", "torch", ">=2.0", "2.13.0",
+               "bench/parity.py in a loop (about 80 launches) shows no SIGABRT without it"),
+    Workaround("restore_bnb_4bit_storage_layout", "bitsandbytes", ">=0.49", "0.50.2",
+               "tests/unit/test_record.py::test_a_cpu_evaluation_does_not_change_frozen_4bit_bytes passes without "
+               "it"),
+)
+
+# Not workarounds themselves: what they are built from, also used by gather.py.
+HELPERS = ("strip_wrapper_segments",)
+
+
+@dataclass(frozen=True)
+class TrainerOverride:
+    method: str          # private transformers.Trainer method RecipeSFTTrainer overrides
+    parameters: tuple    # its parameter names in the version below (what our override accepts and passes on)
+    why: str
+
+
+TRAINER_OVERRIDES_FIT = SpecifierSet("==5.24.*")  # the transformers versions the overrides were checked against
+TRAINER_OVERRIDES: tuple[TrainerOverride, ...] = (
+    TrainerOverride("_save_checkpoint", ("self", "model", "trial"),
+                    "mark a checkpoint complete once every rank wrote it; record its memory cost"),
+    TrainerOverride("_save_rng_state", ("self", "output_dir"), "RNG state as safetensors, not a pickle"),
+    TrainerOverride("_load_rng_state", ("self", "checkpoint"), "read it back; tolerate a resume on other ranks"),
+    TrainerOverride("_save_optimizer_and_scheduler", ("self", "output_dir"),
+                    "pickle-free optimizer/scheduler; FSDP1 SHARDED writes only the adapter's shards"),
+    TrainerOverride("_load_from_checkpoint", ("self", "resume_from_checkpoint", "model"),
+                    "refuse unsafe DCP metadata; fail when no trainable weight was loaded"),
+    TrainerOverride("_load_optimizer_and_scheduler", ("self", "checkpoint"),
+                    "pickle-free load; FSDP1 moments kept (init_optimizer_state_before_fsdp1_load)"),
+)
+
+
+def installed_version(distribution: str) -> Version:
+    try:
+        return Version(importlib.metadata.version(distribution))
+    except importlib.metadata.PackageNotFoundError:
+        return Version("0")
+
+
+def trainer_override_drift() -> list[str]:
+    """The overridden private Trainer methods whose signature is no longer the one they were written for."""
+    from transformers import Trainer
+
+    drift = []
+    for override in TRAINER_OVERRIDES:
+        method = getattr(Trainer, override.method, None)
+        if method is None:
+            drift.append(f"{override.method}: no longer on transformers.Trainer")
+            continue
+        parameters = tuple(inspect.signature(method).parameters)
+        if parameters != override.parameters:
+            drift.append(f"{override.method}{parameters}: written for {override.parameters}")
+    return drift
+
+
+_state = {"done": False, "names": []}
+
+
+def install(launch) -> list[str]:
+    """Install every process-wide workaround whose library version is affected; idempotent. Returns their names.
+    Raises ConfigError where the launch cannot run as asked (FSDP without a GPU and without the CPU switch)."""
+    if _state["done"]:
+        return list(_state["names"])
+    for workaround in WORKAROUNDS:
+        if workaround.install is not None and workaround.applies() and workaround.install(launch):
+            _state["names"].append(workaround.name)
+    transformers_version = installed_version("transformers")
+    if launch.is_main_process and transformers_version not in TRAINER_OVERRIDES_FIT:
+        drift = trainer_override_drift()
+        if drift:
+            logger.warning(f"transformers {transformers_version}: RecipeSFTTrainer overrides private Trainer methods "
+                           f"checked against transformers{TRAINER_OVERRIDES_FIT}, and these changed: "
+                           f"{'; '.join(drift)}. Checkpoints may not save or resume as tested.")
+    _state["done"] = True
+    return list(_state["names"])
+
+
+def installed() -> bool:
+    return _state["done"]
+
+
+__all__ = [
+    "TRAINER_OVERRIDES", "WORKAROUNDS", "enable_fsdp_on_cpu", "exit_skipping_teardown", "gather_full_state_dict",
+    "init_optimizer_state_before_fsdp1_load", "install", "installed", "module_names_without_fsdp_segments",
+    "restore_bnb_4bit_storage_layout", "strip_wrapper_segments", "trainable_tokens_lm_head_bias",
+    "trainer_override_drift",
+]

@@ -1,0 +1,141 @@
+"""The launcher's environment, read once into one typed, frozen object.
+
+`accelerate launch` (and torchrun under it) tells each rank how the run is distributed through environment
+variables: RANK/WORLD_SIZE/LOCAL_RANK, ACCELERATE_USE_* for the engine, FSDP_* and ACCELERATE_DEEPSPEED_* for the
+accelerate YAML's settings. This module is the only reader of them. Every boolean is read with accelerate's own rule
+(`str_to_bool`: y/yes/t/true/on/1 and n/no/f/false/off/0, any case), so the recipe and the launcher can never
+disagree about a value such as `FSDP_OFFLOAD_PARAMS=1`; a value accelerate would reject is a ConfigError here,
+naming the variable, before anything is loaded.
+
+The entry point reads it once (`read_launch_env()`) and passes it to what needs it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from accelerate.utils.environment import str_to_bool
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int = 0                      # RANK: this process among all
+    local_rank: int = 0                # LOCAL_RANK: this process on its machine
+    world_size: int = 1                # WORLD_SIZE: processes in the run
+    local_world_size: int = 1          # LOCAL_WORLD_SIZE: processes on this machine
+    use_cpu: bool = False              # ACCELERATE_USE_CPU: the CPU switch (also read by transformers)
+    use_fsdp: bool = False             # ACCELERATE_USE_FSDP: the accelerate YAML says distributed_type: FSDP
+    use_deepspeed: bool = False        # ACCELERATE_USE_DEEPSPEED
+    mixed_precision: str = "no"        # ACCELERATE_MIXED_PRECISION
+    fsdp_version: int = 1              # FSDP_VERSION (accelerate's default is 1)
+    fsdp_sharding_strategy: str = "FULL_SHARD"
+    fsdp_reshard_after_forward: str = "true"
+    fsdp_offload_params: bool = False
+    fsdp_cpu_ram_efficient_loading: bool = False
+    fsdp_sync_module_states: bool = False
+    fsdp_use_orig_params: bool = False
+    fsdp_state_dict_type: str = ""     # "" when the YAML does not say (accelerate's default: FULL_STATE_DICT)
+    deepspeed_zero_stage: str = ""     # ACCELERATE_DEEPSPEED_ZERO_STAGE
+    deepspeed_zero3_init: bool = False
+    deepspeed_zero3_save_16bit_model: bool = False
+    gradient_accumulation_steps: str = ""  # ACCELERATE_GRADIENT_ACCUMULATION_STEPS (a DeepSpeed config's own value)
+    hub_offline: bool = False          # HF_HUB_OFFLINE
+    hf_token_set: bool = False         # HF_TOKEN is exported (the token's value is never kept)
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def fsdp_on_cpu(self) -> bool:
+        """FSDP over gloo on a CPU machine (see compat.enable_fsdp_on_cpu)."""
+        return self.use_fsdp and self.use_cpu
+
+    @property
+    def requested_fsdp_version(self) -> int | None:
+        """1 or 2 when the launcher asked for FSDP, else None."""
+        return self.fsdp_version if self.use_fsdp else None
+
+    @property
+    def cpu_ram_efficient_loading(self) -> bool:
+        """Only rank 0 reads the weights; the others receive them once FSDP wraps the model."""
+        return self.use_fsdp and self.fsdp_cpu_ram_efficient_loading
+
+    def for_planning_a_gpu_run(self) -> LaunchEnv:
+        """The environment as the planner parses train.py's flags for a GPU run on a machine without one: the CPU
+        switch on, so transformers accepts bf16 it cannot run here (nothing is run)."""
+        return replace(self, use_cpu=True)
+
+    def accelerate_config(self) -> dict[str, Any]:
+        """The accelerate YAML rebuilt from what the launcher exported (what the memory plan reads in train.py)."""
+        machines = max(1, self.world_size // max(1, self.local_world_size))
+        cfg: dict[str, Any] = {
+            "distributed_type": "FSDP" if self.use_fsdp else ("MULTI_GPU" if self.world_size > 1 else "NO"),
+            "num_processes": self.world_size, "num_machines": machines, "mixed_precision": self.mixed_precision,
+        }
+        if self.use_fsdp:
+            cfg["fsdp_config"] = {
+                "fsdp_version": self.fsdp_version,
+                "fsdp_sharding_strategy": self.fsdp_sharding_strategy,
+                "fsdp_reshard_after_forward": self.fsdp_reshard_after_forward,
+                "fsdp_offload_params": self.fsdp_offload_params,
+                "fsdp_cpu_ram_efficient_loading": self.fsdp_cpu_ram_efficient_loading,
+            }
+        return cfg
+
+
+def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read the launcher's variables (os.environ unless given); raises ConfigError naming any unreadable one."""
+    env = os.environ if environ is None else environ
+    problems: list[str] = []
+
+    def flag(name: str) -> bool:
+        raw = env.get(name, "")
+        if raw.strip() == "":
+            return False
+        try:
+            return bool(str_to_bool(raw.strip()))
+        except ValueError:
+            problems.append(f"{name}={raw!r}: not a boolean. Fix: true or false (accelerate also reads 1/0, yes/no, "
+                            "on/off).")
+            return False
+
+    def number(name: str, default: int) -> int:
+        raw = env.get(name, "")
+        if raw.strip() == "":
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            problems.append(f"{name}={raw!r}: not a whole number. Fix: unset it or let the launcher set it.")
+            return default
+
+    world_size = number("WORLD_SIZE", 1)
+    launch = LaunchEnv(
+        rank=number("RANK", 0), local_rank=number("LOCAL_RANK", 0), world_size=world_size,
+        local_world_size=number("LOCAL_WORLD_SIZE", world_size),
+        use_cpu=flag("ACCELERATE_USE_CPU"), use_fsdp=flag("ACCELERATE_USE_FSDP"),
+        use_deepspeed=flag("ACCELERATE_USE_DEEPSPEED"),
+        mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "no") or "no",
+        fsdp_version=number("FSDP_VERSION", 1),
+        fsdp_sharding_strategy=env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD") or "FULL_SHARD",
+        fsdp_reshard_after_forward=env.get("FSDP_RESHARD_AFTER_FORWARD", "true") or "true",
+        fsdp_offload_params=flag("FSDP_OFFLOAD_PARAMS"),
+        fsdp_cpu_ram_efficient_loading=flag("FSDP_CPU_RAM_EFFICIENT_LOADING"),
+        fsdp_sync_module_states=flag("FSDP_SYNC_MODULE_STATES"),
+        fsdp_use_orig_params=flag("FSDP_USE_ORIG_PARAMS"),
+        fsdp_state_dict_type=env.get("FSDP_STATE_DICT_TYPE", "").upper(),
+        deepspeed_zero_stage=env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", ""),
+        deepspeed_zero3_init=flag("ACCELERATE_DEEPSPEED_ZERO3_INIT"),
+        deepspeed_zero3_save_16bit_model=flag("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"),
+        gradient_accumulation_steps=env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", ""),
+        hub_offline=flag("HF_HUB_OFFLINE"), hf_token_set=bool(env.get("HF_TOKEN")),
+    )
+    if problems:
+        from sft_recipe.config.args import ConfigError
+
+        raise ConfigError(problems)
+    return launch

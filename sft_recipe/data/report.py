@@ -1,0 +1,263 @@
+"""The data report: what will be trained, measured before any weight is loaded, and the preview of N examples.
+
+Examples are tokenized by TRL's own dataset preparation (`SFTTrainer._prepare_dataset`, run without truncation or
+packing), so that lengths and loss masks are the trainer's, not a re-implementation; the cut at `max_length` and the
+packing are then measured on those (packing with TRL's `pack_dataset`). Once the trainer has prepared its data,
+`confirm` compares it with the prediction and records the trainer's own counts.
+
+The field names of data_report.json are the dataclasses below and nowhere else.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+REPORT_FILE = "data_report.json"
+CUT_WARNING_SHARE = 0.05  # warn when more than this share of examples is longer than max_length
+LOSS_MARK = ("⟦", "⟧")  # the preview puts loss-carrying text between these
+IGNORE = -100
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SplitReport:
+    format: str
+    rows_read: int
+    rows_dropped: int  # by --drop_bad_rows
+    rows: int
+    tokens_min: int
+    tokens_median: float
+    tokens_max: int
+    tokens_total: int  # before the cut at max_length
+    examples_cut_share: float  # longer than max_length
+    tokens_cut_share: float  # lost at max_length (0 when packing splits long examples instead)
+    examples_left_without_loss: int  # TRL drops examples whose loss tokens were all cut
+    tokens_trained: int  # what the model sees, after the cut
+    loss_tokens: int  # of tokens_trained, those with a label
+    loss_token_share: float
+    packed_rows: int | None  # with packing
+    packing_efficiency: float | None  # tokens per packed row / max_length
+    eos_with_loss_share: float | None  # of examples ending in EOS, those whose EOS carries loss (stop learned)
+
+
+@dataclass
+class DataReport:
+    max_length: int | None
+    packing: bool
+    packing_strategy: str | None
+    truncation_mode: str
+    cut_warning_share: float
+    splits: dict[str, SplitReport]
+    warnings: list[str] = field(default_factory=list)
+    trainer_check: dict | None = None  # the trainer's own token and loss-token counts for the train split
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    def render(self, output_dir: str | None = None) -> str:
+        where = f" (written to {Path(output_dir) / REPORT_FILE})" if output_dir else ""
+        lines = [f"data report{where}:"]
+        for role, s in self.splits.items():
+            cut = (f"over max_length {self.max_length}: {s.examples_cut_share:.1%} of examples, "
+                   f"{s.tokens_cut_share:.1%} of tokens cut" if self.max_length else "no max_length")
+            lines.append(f"  {role}: {s.rows} rows ({s.format}, {s.rows_dropped} dropped) | tokens per example min "
+                         f"{s.tokens_min} / median {s.tokens_median:g} / max {s.tokens_max} | {cut}")
+        train = self.splits.get("train")
+        if train:
+            packing = (f"packing ({self.packing_strategy}): {train.packed_rows} rows, "
+                       f"{train.packing_efficiency:.1%} full" if self.packing else "packing off")
+            lines.append(f"  train: {packing} | tokens carrying loss: {train.loss_token_share:.1%} "
+                         f"({train.loss_tokens} of {train.tokens_trained})")
+        lines += [f"  WARNING: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def tokenize_like_trl(dataset, tokenizer, training_args):
+    """Rows -> input_ids + labels exactly as SFTTrainer prepares them, but uncut and unpacked, without a model.
+
+    `_prepare_dataset` reads three trainer attributes, given here as SFTTrainer sets them: the tokenizer, the
+    completion-only switch (on for prompt/completion rows unless the flag says otherwise) and the chat template
+    override (none: the recipe refuses --assistant_only_loss with a template that lacks generation markers)."""
+    from trl import SFTTrainer
+
+    args = copy.copy(training_args)
+    args.max_length, args.packing, args.shuffle_dataset = None, False, False
+    first = dataset[0]
+    completion_only = training_args.completion_only_loss
+    if completion_only is None:
+        completion_only = "prompt" in first and "completion" in first
+    trainer = SimpleNamespace(_tokenizer=tokenizer, completion_only_loss=completion_only, chat_template=None)
+    return SFTTrainer._prepare_dataset(trainer, dataset, tokenizer, args, False, None, "report")
+
+
+def _columns(tokenized) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(lengths, starts, flat input_ids, flat labels) of a tokenized split, read through Arrow, not Python lists."""
+    import pyarrow.compute as pc
+
+    table = tokenized.with_format("arrow")[:]
+    lengths = np.asarray(pc.list_value_length(table["input_ids"]), dtype=np.int64)
+    ids = np.asarray(pc.list_flatten(table["input_ids"]), dtype=np.int64)
+    labels = np.asarray(pc.list_flatten(table["labels"]), dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    return lengths, starts, ids, labels
+
+
+def measure_split(tokenized, fmt: str, rows_read: int, rows_dropped: int, training_args, eos_token_id) -> SplitReport:
+    lengths, starts, token_ids, labels = _columns(tokenized)
+    ends = starts + lengths
+    loss_cum = np.concatenate([[0], np.cumsum(labels != IGNORE)])
+    limit = training_args.max_length
+    packing, strategy = training_args.packing, training_args.packing_strategy
+    splits_long = packing and strategy in ("bfd_split", "wrapped")  # long examples continue in another row
+    if limit is None or splits_long:
+        kept = lengths
+        loss_kept = loss_cum[ends] - loss_cum[starts]
+    elif training_args.truncation_mode == "keep_end" and not packing:
+        kept = np.minimum(lengths, limit)
+        loss_kept = loss_cum[ends] - loss_cum[ends - kept]
+    else:  # keep_start, and packing "bfd" (which keeps the start of a long example)
+        kept = np.minimum(lengths, limit)
+        loss_kept = loss_cum[starts + kept] - loss_cum[starts]
+    without_loss = 0
+    if not packing:  # TRL drops examples whose loss tokens were all cut off
+        without_loss = int(((loss_kept == 0) & (lengths > 0)).sum())
+        kept = np.where(loss_kept > 0, kept, 0)
+    tokens_trained, loss_tokens = int(kept.sum()), int(loss_kept.sum())
+    packed_rows = efficiency = None
+    if packing:
+        from trl.data_utils import pack_dataset
+
+        packed_rows = len(pack_dataset(tokenized.select_columns(["input_ids", "labels"]), limit, strategy))
+        efficiency = tokens_trained / (packed_rows * limit) if packed_rows else 0.0
+    eos_share = None
+    if eos_token_id is not None and len(lengths):
+        last = ends[lengths > 0] - 1
+        ends_in_eos = token_ids[last] == eos_token_id
+        if ends_in_eos.any():
+            eos_share = float((labels[last][ends_in_eos] != IGNORE).mean())
+    total = int(lengths.sum())
+    over = int((lengths > limit).sum()) if limit else 0
+    cut = 0 if limit is None or splits_long else int((lengths - np.minimum(lengths, limit)).sum())
+    return SplitReport(
+        format=fmt, rows_read=rows_read, rows_dropped=rows_dropped, rows=len(lengths),
+        tokens_min=int(lengths.min()) if len(lengths) else 0,
+        tokens_median=float(np.median(lengths)) if len(lengths) else 0.0,
+        tokens_max=int(lengths.max()) if len(lengths) else 0, tokens_total=total,
+        examples_cut_share=over / len(lengths) if len(lengths) else 0.0,
+        tokens_cut_share=cut / total if total else 0.0,
+        examples_left_without_loss=without_loss, tokens_trained=tokens_trained, loss_tokens=loss_tokens,
+        loss_token_share=loss_tokens / tokens_trained if tokens_trained else 0.0,
+        packed_rows=packed_rows, packing_efficiency=efficiency, eos_with_loss_share=eos_share)
+
+
+def _warnings(report: DataReport) -> list[str]:
+    warnings = []
+    for role, s in report.splits.items():
+        if report.max_length and s.examples_cut_share > report.cut_warning_share:
+            lost = "continue in the next packed row" if s.tokens_cut_share == 0 else \
+                f"lose {s.tokens_cut_share:.0%} of their tokens"
+            warnings.append(f"{s.examples_cut_share:.0%} of the {role} examples are longer than max_length "
+                            f"{report.max_length} and {lost} (longest: {s.tokens_max} tokens, median "
+                            f"{s.tokens_median:g}). Fix: raise --max_seq_len (e.g. {int(s.tokens_max)}), or shorten "
+                            "the examples.")
+        if s.examples_left_without_loss:
+            warnings.append(f"{s.examples_left_without_loss} {role} example(s) keep no loss-carrying token after the "
+                            "cut at max_length; TRL drops them.")
+        if s.loss_tokens == 0:
+            warnings.append(f"no {role} token carries loss: nothing would be learned.")
+        if s.eos_with_loss_share is not None and s.eos_with_loss_share < 1:
+            warnings.append(f"the EOS ending {1 - s.eos_with_loss_share:.0%} of the {role} examples carries no "
+                            "loss: the model would not learn to stop.")
+    return warnings
+
+
+def measure(prepared, tokenizer, training_args) -> DataReport:
+    """The report for every split of a `data.PreparedData`."""
+    splits = {}
+    for role, dataset in prepared.datasets.items():
+        tokenized = tokenize_like_trl(dataset, tokenizer, training_args)
+        splits[role] = measure_split(tokenized, prepared.formats[role], prepared.rows_read[role],
+                                     prepared.rows_dropped[role], training_args, tokenizer.eos_token_id)
+    report = DataReport(max_length=training_args.max_length, packing=bool(training_args.packing),
+                        packing_strategy=training_args.packing_strategy if training_args.packing else None,
+                        truncation_mode=training_args.truncation_mode, cut_warning_share=CUT_WARNING_SHARE,
+                        splits=splits)
+    report.warnings = _warnings(report)
+    return report
+
+
+def write(report: DataReport, output_dir: str) -> Path:
+    from sft_recipe.artifacts.state_io import write_atomically
+
+    path = Path(output_dir) / REPORT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, lambda tmp: tmp.write_text(report.to_json()))
+    return path
+
+
+def publish(report: DataReport, output_dir: str, is_main_process: bool) -> None:
+    """Main process: the block in the log (its WARNING lines included) and data_report.json in output_dir."""
+    if not is_main_process:
+        return
+    write(report, output_dir)
+    print(report.render(output_dir), flush=True)
+
+
+def confirm(report: DataReport, train_dataset, output_dir: str, is_main_process: bool) -> None:
+    """Record what the trainer itself prepared for training, and say so if it differs from the prediction."""
+    lengths, _, _, labels = _columns(train_dataset)
+    train = report.splits["train"]
+    tokens, loss_tokens = int(lengths.sum()), int((labels != IGNORE).sum())
+    matches = (tokens, loss_tokens) == (train.tokens_trained, train.loss_tokens)
+    report.trainer_check = {"tokens": tokens, "loss_tokens": loss_tokens, "matches_prediction": matches}
+    if not is_main_process:
+        return
+    if not matches:
+        logger.warning(f"the trainer prepared {tokens} tokens ({loss_tokens} with loss); the data report predicted "
+                       f"{train.tokens_trained} ({train.loss_tokens}). The report's numbers are approximate.")
+    write(report, output_dir)
+
+
+def _cut_position(length: int, training_args) -> int | None:
+    """Where TRL cuts an example of this length: tokens before it are kept (keep_end: after it), or None."""
+    limit = training_args.max_length
+    if limit is None or length <= limit or (training_args.packing and
+                                            training_args.packing_strategy in ("bfd_split", "wrapped")):
+        return None
+    return length - limit if training_args.truncation_mode == "keep_end" and not training_args.packing else limit
+
+
+def preview(prepared, tokenizer, training_args, count: int, role: str = "train") -> str:
+    """`count` examples as the model sees them: loss-carrying text between ⟦ ⟧, and where max_length cuts."""
+    dataset = prepared.datasets[role]
+    tokenized = tokenize_like_trl(dataset.select(range(min(count, len(dataset)))), tokenizer, training_args)
+    keep_end = training_args.truncation_mode == "keep_end" and not training_args.packing
+    blocks = []
+    for n, row in enumerate(tokenized, start=1):
+        ids, labels = row["input_ids"], row["labels"]
+        cut = _cut_position(len(ids), training_args)
+        seen = [cut is None or (k >= cut if keep_end else k < cut) for k in range(len(ids))]
+        trained = [label != IGNORE and s for label, s in zip(labels, seen)]
+        text, at = "", 0
+        for k in range(1, len(ids) + 1):  # decode prefixes at each boundary: spacing stays the tokenizer's
+            if k == len(ids) or trained[k] != trained[at] or k == cut:
+                piece = tokenizer.decode(ids[:k])[len(tokenizer.decode(ids[:at])):]
+                text += f"{LOSS_MARK[0]}{piece}{LOSS_MARK[1]}" if trained[at] else piece
+                if k == cut:
+                    side = "before" if keep_end else "after"
+                    text += f"\n✂ -- cut at max_length {training_args.max_length}: the text {side} this is not " \
+                            "trained --\n"
+                at = k
+        dropped = "; TRL drops this example: no loss-carrying token survives the cut" \
+            if not any(trained) and not training_args.packing else ""
+        blocks.append(f"=== {role} example {n} of {len(dataset)} ({prepared.formats[role]}): {len(ids)} tokens, "
+                      f"{sum(trained)} trained with loss (between {LOSS_MARK[0]} and {LOSS_MARK[1]}){dropped} ===\n"
+                      f"{text}")
+    return "\n\n".join(blocks)

@@ -1,0 +1,164 @@
+"""Measurements of one process and its shards: exact weight checksums, live tensor bytes, resident memory kinds.
+
+The run record (record.py), the trainer's save costs and the tests all measure through these. What each stands for
+on a GPU: live tensor bytes and the model state are what sharding divides; anonymous RSS follows live tensors when
+launched with MALLOC_MMAP_THRESHOLD_=65536 (see RssWatch); CUDA's max_memory_allocated where there is a GPU.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+
+
+def _shard_of(p: torch.Tensor) -> torch.Tensor:
+    if hasattr(p, "to_local"):  # FSDP2 DTensor
+        return p.to_local()
+    ds_shard = getattr(p, "ds_tensor", None)  # DeepSpeed ZeRO-3: p itself is empty, or gathered for a moment
+    if ds_shard is not None:
+        return ds_shard
+    shard = getattr(p, "_local_shard", None)  # FSDP1 FlatParameter keeps its shard even while unsharded
+    return shard if shard is not None else p
+
+
+def _checksum(t: torch.Tensor) -> int:
+    """Exact, dtype-agnostic fingerprint of a tensor's bytes (packed 4-bit storage read as bf16 can be NaN)."""
+    flat = t.detach().contiguous().reshape(-1)
+    words = flat.view(torch.int32) if flat.numel() * flat.element_size() % 4 == 0 else flat.view(torch.uint8)
+    return int(words.sum(dtype=torch.int64))  # reduces without materialising an int64 copy
+
+
+def _local_sums(model) -> tuple[int, int]:
+    """(checksum of frozen params, checksum of trainable params) over this rank's shards: exact change detectors."""
+    frozen = trainable = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            local = _shard_of(p)
+            if local.numel() and local.untyped_storage().size() == 0:
+                continue  # freed unsharded view; its values are counted through the shard
+            if p.requires_grad:
+                trainable += _checksum(local)
+            else:
+                frozen += _checksum(local)
+    return frozen, trainable
+
+
+def _all_ranks_sum(accelerator, values: tuple[int, int]) -> list[int]:
+    t = torch.tensor(values, dtype=torch.int64, device=accelerator.device)
+    return [int(x) for x in accelerator.reduce(t, reduction="sum")] if accelerator.num_processes > 1 else list(values)
+
+
+def trainable_checksum(accelerator, model) -> int:
+    """Collective under FSDP: the checksum of all trainable weights, summed over ranks."""
+    return _all_ranks_sum(accelerator, _local_sums(model))[1]
+
+
+def live_tensor_mib(tensors) -> float:
+    """Bytes of the distinct storages behind `tensors`, meta tensors excluded (they hold no memory)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total / 2**20
+
+
+def unsharded_fsdp2_params(model) -> int:
+    """Parameters of an FSDP2 model that are not DTensor shards right now (0 when every unit is sharded)."""
+    return sum(type(p).__name__ != "DTensor" for p in model.parameters())
+
+
+def _model_state_mib(model, optimizer) -> float:
+    """This rank's share of weights + gradients + optimizer state (shards under FSDP): the part of memory that
+    sharding divides by N, measured directly rather than read off RSS (which also holds imports and activations)."""
+    tensors = []
+    for p in model.parameters():
+        local = _shard_of(p)
+        tensors.append(local)
+        grad = getattr(p, "grad", None)
+        if grad is not None:
+            tensors.append(grad.to_local() if hasattr(grad, "to_local") else grad)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            tensors += [t.to_local() if hasattr(t, "to_local") else t for t in state.values()
+                        if isinstance(t, torch.Tensor)]
+    return live_tensor_mib(tensors)
+
+
+def _rss_kinds_mib() -> tuple[float, float]:
+    """(RssAnon, RssFile) of this process in MiB, from /proc (Linux); zeros elsewhere."""
+    values = {"RssAnon:": 0.0, "RssFile:": 0.0}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                name, *rest = line.split()
+                if name in values:
+                    values[name] = float(rest[0]) / 1024  # kB
+    except OSError:
+        pass
+    return values["RssAnon:"], values["RssFile:"]
+
+
+class RssWatch:
+    """Peak private (anonymous) resident memory of this process while a block runs, above its level at entry.
+
+    A thread samples /proc/self/status every `interval_s`. What it can and cannot see: glibc reuses freed blocks
+    without growing RSS, so a block that allocates into memory freed earlier reads as adding nothing. Launch with
+    `MALLOC_MMAP_THRESHOLD_=65536` (the tests do) and every tensor above 64 KiB is its own mmap, returned to the
+    system when freed: RSS then follows live tensor bytes, the quantity that stands for GPU memory in a GPU run.
+    """
+
+    def __init__(self, interval_s: float = 0.002):
+        self.interval_s = interval_s
+        self.start_mib = self.peak_mib = 0.0
+        self.seconds = 0.0
+
+    def __enter__(self):
+        import threading
+
+        self.start_mib = self.peak_mib = _rss_kinds_mib()[0]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._started = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak_mib = max(self.peak_mib, _rss_kinds_mib()[0])
+            self._stop.wait(self.interval_s)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_mib = max(self.peak_mib, _rss_kinds_mib()[0])
+        self.seconds = time.perf_counter() - self._started
+
+    @property
+    def added_mib(self) -> float:
+        return self.peak_mib - self.start_mib
+
+
+def save_cost(accelerator, watch: RssWatch, **extra) -> dict:
+    """Collective: a save's wall seconds (slowest rank) and the anonymous RSS it added on each rank."""
+    per_rank = torch.tensor([watch.seconds, watch.added_mib], dtype=torch.float64, device=accelerator.device)
+    per_rank = accelerator.gather(per_rank).reshape(-1, 2) if accelerator.num_processes > 1 else per_rank[None]
+    return {"seconds": round(float(per_rank[:, 0].max()), 3),
+            "rss_anon_added_mib_per_rank": [round(float(x), 1) for x in per_rank[:, 1]], **extra}
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def peak_memory_gib() -> float:
+    """This process's peak: GPU memory allocated by torch where there is a GPU, process RSS on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return peak_rss_mib() / 1024

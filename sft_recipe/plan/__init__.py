@@ -1,0 +1,84 @@
+"""Will it fit? A per-rank memory plan for a training run, from the model's config alone.
+
+    python -m sft_recipe.plan --config_file configs/fsdp_config.yaml --gpu_memory_gib 80 [train.py flags]
+    python -m sft_recipe.plan --config_file configs/fsdp_config.yaml --gpu_memory_gib 80 \
+        --config recipes/llama2_70b_lora.yaml --model_name_or_path sft_recipe/plan/models/llama-2-70b
+
+The planner takes the same flags and accelerate YAML as training plus the memory of one GPU, builds the model on the
+meta device (its config only: no weight is downloaded, read or allocated, so a 70B costs what the tiny model costs),
+and prints, per rank: base weights, LoRA/DoRA parameters, gradients, optimizer state, activations, FSDP all-gather
+buffers and framework overhead; host RAM per node; a verdict (fits or not, headroom); and when it does not fit, the
+cheapest changes that make it fit, in order, each with its predicted per-GPU memory.
+
+Notation used in every formula of this package (all sizes in bytes unless a name says otherwise):
+
+    P      parameters of the base model;  Q  of them in the linear layers bitsandbytes quantizes (every nn.Linear but
+           the output head);  L  decoder layers;  h  hidden size;  i  MLP width;  kv = key/value heads x head_dim;
+           V  vocabulary (rows of the output head)
+    N      processes (ranks);  n  ranks per machine;  G  ranks a parameter is sharded over
+           (FULL_SHARD / SHARD_GRAD_OP / FSDP2: N;  HYBRID_SHARD: n;  NO_SHARD, DDP, one process: 1)
+    b      bytes per base weight as loaded: 4 (fp32, how the recipe loads LoRA runs, as upstream), or the 4-bit
+           storage dtype's size (QLoRA under FSDP loads the model in --bnb_4bit_quant_storage_dtype)
+    a      bytes per activation element: 2 with bf16/fp16 (mixed precision or a bf16 model), else 4
+    B, S   micro-batch (--per_device_train_batch_size) and sequence length (--max_length); T = B x S tokens per
+           step (packing fills rows to S; without packing S is the worst case, the longest row)
+    r      LoRA rank;  m  adapted linear layers per decoder layer;  D  sum of their input widths
+    U      parameters of one FSDP unit: a decoder layer (TRANSFORMER_BASED_WRAP wraps each), or the root unit
+           (embeddings, final norm, output head)
+
+Each formula is in the docstring of the function computing it (components.py, gpu.py, cpu.py).
+Everything here was measured against this stack (torch 2.13, transformers 5.24, trl 1.16, peft 0.21,
+bitsandbytes 0.50): activation coefficients against autograd's saved tensors of a real model
+(tests/unit/test_plan.py), CPU peak RSS against real `accelerate launch` runs (bench/memory_plan.py). The GPU
+numbers are a prediction of `torch.cuda.max_memory_allocated` plus the CUDA context; nvidia-smi shows the caching
+allocator's *reserved* memory, typically 5-15% more (`allocator_reserve` row).
+
+Where the published figures of the guide's two runs come from: PEFT's "Use PEFT and FSDP" guide (72-80 GB/GPU for
+LoRA on 8x80 GB; QLoRA on 2x24 GB: 19.6 GB/GPU with CPU offload and ~107 GB host RAM, 35.6 GB/GPU without). The
+Llama-2-70B config in sft_recipe/plan/models/llama-2-70b is written from the published architecture (see its
+README.txt).
+
+The modules, in the order a plan is made:
+
+    shape.py       the architecture, counted on the meta device (ModelShape)
+    inputs.py      the run: accelerate YAML -> Distribution (how it is spread), train.py flags -> Workload
+    components.py  the formulas both estimates share: weights, adapter, optimizer state, activations, FSDP buffers
+    gpu.py         GPU memory per rank and host RAM per machine of a CUDA run
+    cpu.py         peak RSS per rank of a CPU run (constants measured on this stack)
+    result.py      MemoryPlan, its rows, and how it prints
+    planner.py     plan_memory, and the fit ladder when a run does not fit
+    guide.py       the guide's runs, predicted vs published (--guide)
+    cli.py         the command line (__main__.py runs it)
+"""
+
+from sft_recipe.plan.cli import main
+from sft_recipe.plan.components import activation_bytes_per_token_per_layer, adapter_bytes
+from sft_recipe.plan.components import base_weight_bytes as _base_weight_bytes  # bench/scale.py's name for it
+from sft_recipe.plan.guide import PUBLISHED, guide_plans, render_guide_comparison
+from sft_recipe.plan.inputs import Distribution, Workload, parse_train_flags, read_accelerate_config, workload
+from sft_recipe.plan.planner import fit_ladder, plan_memory
+from sft_recipe.plan.result import GIB, MIB, MemoryPlan
+from sft_recipe.plan.shape import ModelShape, model_shape
+
+# What code outside the package imports (train.py, bench/, tests/); everything else is imported from its module.
+__all__ = [
+    "GIB",
+    "MIB",
+    "PUBLISHED",
+    "Distribution",
+    "MemoryPlan",
+    "ModelShape",
+    "Workload",
+    "_base_weight_bytes",
+    "activation_bytes_per_token_per_layer",
+    "adapter_bytes",
+    "fit_ladder",
+    "guide_plans",
+    "main",
+    "model_shape",
+    "parse_train_flags",
+    "plan_memory",
+    "read_accelerate_config",
+    "render_guide_comparison",
+    "workload",
+]

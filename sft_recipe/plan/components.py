@@ -1,0 +1,167 @@
+"""The memory components both estimates (gpu.py, cpu.py) are built from: base weights, trainable parameters, the
+saved adapter, optimizer state, activations and FSDP all-gather buffers. Each formula is in its function's docstring;
+the notation is the package's (sft_recipe/plan/__init__.py)."""
+
+from __future__ import annotations
+
+from sft_recipe.plan.inputs import Distribution, Workload
+from sft_recipe.plan.result import Row
+from sft_recipe.plan.shape import ModelShape
+
+# ---- activation coefficients (bytes per token per decoder layer), Llama-style block (RMSNorm, RoPE, SwiGLU) ----
+# Measured with autograd's saved-tensor hooks on LlamaForCausalLM + LoRA (all-linear), SDPA/flash attention, for
+# fp32 (a=4) and bf16 weights under bf16 autocast (a=2); tests/unit/test_plan.py re-measures them.
+#   saved per token per layer = ACT_H[a]*h + ACT_I[a]*i + ACT_KV[a]*kv + a*r*m + ACT_C0[a]
+# a*h terms: the two RMSNorms keep fp32 copies of their input whatever a is, which is why ACT_H does not halve.
+ACT_H = {4: 24, 2: 24}
+ACT_I = {4: 16, 2: 8}      # gate, up, act(gate), act*up: 4 tensors of width i
+ACT_KV = {4: 8, 2: 4}      # rotated k and v
+ACT_C0 = {4: 232, 2: 120}  # per-token scalars (RMSNorm statistics, attention log-sum-exp, ...)
+
+OPTIMIZER_STATE = {
+    # name: (bytes per trainable parameter, or None = param dtype bytes x this many states, note)
+    "adamw_torch": ("param", 2), "adamw_torch_fused": ("param", 2), "adamw_torch_xla": ("param", 2),
+    "adamw_torch_npu_fused": ("param", 2), "adamw_anyprecision": ("param", 2), "paged_adamw_32bit": (4.0, 2),
+    "adamw_bnb_8bit": (1.0 + 4 / 256, 2), "adamw_8bit": (1.0 + 4 / 256, 2), "paged_adamw_8bit": (1.0 + 4 / 256, 2),
+    "adamw_torch_8bit": (1.0 + 4 / 256, 2), "adamw_torch_4bit": (0.5 + 4 / 128, 2),
+    "lion_32bit": (4.0, 1), "paged_lion_32bit": (4.0, 1), "lion_8bit": (1.0 + 4 / 256, 1),
+    "paged_lion_8bit": (1.0 + 4 / 256, 1), "sgd": ("param", 0), "adagrad": ("param", 1), "rmsprop": ("param", 1),
+    "ademamix": ("param", 3), "ademamix_8bit": (1.0 + 4 / 256, 3), "adafactor": ("factored", 1),
+}
+
+
+def base_weight_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, str]:
+    """Base weights as loaded: (shardable bytes, replicated bytes, formula).
+
+    - not quantized: P x b (shardable).
+    - 4-bit: packed weights Q/2 + the rest (P - Q) x b, both shardable (FSDP flattens the packed storage like any
+      parameter); NF4/FP4 constants are replicated on every rank (they live in each weight's quant_state, not in a
+      parameter FSDP shards): one absmax per block of 64 weights -- fp32 (Q/64 x 4) without double quantization; with
+      it, uint8 (Q/64) plus an fp32 absmax per 256 blocks (Q/64/256 x 4) and a 256-entry fp32 code per linear.
+    - 8-bit: Q x 1 + an fp32 scale per output row + (P - Q) x b (8-bit weights cannot be sharded).
+    """
+    P, Q, b = shape.total_params, shape.quantizable_params, w.load_bytes
+    if w.quant == "4bit":
+        if w.double_quant:
+            const = Q / 64 + Q / 64 / 256 * 4 + shape.quantizable_linears * 256 * 4
+            cformula = "Q/64 + Q/64/256*4"
+        else:
+            const = Q / 64 * 4
+            cformula = "Q/64*4"
+        return Q / 2 + (P - Q) * b, const, f"Q/2 + (P-Q)*{b} sharded; constants {cformula} replicated"
+    if w.quant == "8bit":
+        rows = sum(lin.out_features for lin in shape.layer_linears) * shape.num_layers
+        return 0.0, Q + 4 * rows + (P - Q) * b, f"Q*1 + 4*rows + (P-Q)*{b} (not shardable)"
+    return P * b, 0.0, f"P*{b}"
+
+
+def count_trainable(shape: ModelShape, w: Workload) -> tuple[int, int]:
+    """(trainable parameters, bytes each). LoRA: fp32 (PEFT upcasts adapters), except QLoRA where TRL casts A/B to
+    bf16 (DoRA magnitudes stay fp32). Full fine-tuning: every base parameter, in the load dtype."""
+    if not w.lora:
+        return shape.total_params, w.load_bytes
+    count = shape.lora_params(w.lora_r, _targets(w), w.dora)
+    return count, (2 if w.quant and not w.dora else 4)
+
+
+def adapter_bytes(shape: ModelShape, w: Workload) -> tuple[float, str]:
+    """What the saved adapter holds, which is all the final save gathers (sft_recipe/artifacts/gather.py): the trainable
+    tensors, plus the whole input embedding and output head when the vocabulary was resized (PEFT saves both)."""
+    trainable, tbytes = count_trainable(shape, w)
+    total, formula = float(trainable * tbytes), f"{trainable:,} x {tbytes} B"
+    if w.extra_vocab and w.lora:
+        total += 2 * shape.vocab_size * shape.hidden_size * w.load_bytes
+        formula += f" + 2 x V*h*{w.load_bytes} (resized embedding + head)"
+    return total, formula
+
+
+def optimizer_bytes(shape: ModelShape, w: Workload, trainable: int, param_bytes: int) -> tuple[float, str]:
+    """Optimizer state per trainable parameter: AdamW keeps 2 moments in the parameter's dtype (2 x 4 bytes for fp32
+    LoRA); 8-bit optimizers keep 2 x (1 byte + an fp32 absmax per 256 values); Lion 1 moment; SGD without momentum
+    none; Adafactor factored second moments, 4 x (rows + cols) per matrix."""
+    kind, states = OPTIMIZER_STATE.get(w.optimizer, ("param", 2))
+    if kind == "factored":
+        if w.lora:
+            mats = [(w.lora_r, lin.in_features) for lin in shape.adapted_linears(_targets(w))] + \
+                   [(lin.out_features, w.lora_r) for lin in shape.adapted_linears(_targets(w))]
+            return sum(4 * (r + c) for r, c in mats), "4*(rows+cols) per matrix (Adafactor)"
+        return 4 * trainable ** 0.5 * 2, "4*(rows+cols) per matrix (Adafactor, approx.)"
+    per = param_bytes if kind == "param" else kind
+    return trainable * per * states, f"{states} x {per:g} B per trainable param ({w.optimizer})"
+
+
+def _targets(w: Workload):
+    return w.lora_targets if isinstance(w.lora_targets, str) else list(w.lora_targets)
+
+
+def activation_bytes_per_token_per_layer(shape: ModelShape, w: Workload, device: str) -> float:
+    """c: bytes autograd saves per token per decoder layer without checkpointing.
+
+        c = ACT_H[a]*h + ACT_I[a]*i + ACT_KV[a]*kv + a*r*m + ACT_C0[a]
+            + (a + mask_bytes) * D            when --lora_dropout > 0 (dropout output and mask per adapted input;
+                                               mask_bytes = 1 on CUDA (bool), a on CPU)
+            + 4*T + 4*h                        CPU SDPA with packed (padding-free) rows: the math kernel's
+                                               block-diagonal mask, per layer
+    """
+    a = w.compute_bytes
+    h, i, kv = shape.hidden_size, shape.intermediate_size, shape.kv_width
+    adapted = shape.adapted_per_layer(_targets(w)) if w.lora else []
+    c = ACT_H[a] * h + ACT_I[a] * i + ACT_KV[a] * kv + ACT_C0[a]
+    if w.lora:
+        c += a * w.lora_r * len(adapted)
+        if w.lora_dropout > 0:
+            mask = 1 if device == "cuda" else a
+            c += (a + mask) * sum(lin.in_features for lin in adapted)
+    if device == "cpu" and w.packing and not w.flash_attention:
+        c += 4 * w.tokens + 4 * h
+    return c
+
+
+def activation_rows(shape: ModelShape, w: Workload, device: str) -> list[Row]:
+    """Activations of one micro-batch (T = B*S tokens).
+
+    - saved for backward: without checkpointing L*T*c; with it only each layer's input, L*T*h*a.
+    - recomputed layer (checkpointing only): T*c, one layer's activations rebuilt during its backward.
+    - backward working set: 2*T*(h + i)*a, gradients flowing through the widest block.
+    - output head (TRL's fused, chunked log-prob head): T*h*(4 + 2a) (fp32 gradient accumulator, saved input, cast
+      back) + 2*min(T, 4096)*min(V, 32768)*a (logit tiles, forward and backward); the full T x V logits are never
+      materialized.
+    """
+    a, T, L, h, i = w.compute_bytes, w.tokens, shape.num_layers, shape.hidden_size, shape.intermediate_size
+    c = activation_bytes_per_token_per_layer(shape, w, device)
+    rows = []
+    if w.gradient_checkpointing:
+        rows.append(Row("activations: checkpoints", L * T * h * a, f"L*T*h*a, T={T}, a={a}"))
+        rows.append(Row("activations: recomputed layer", T * c, f"T*c, c={c:,.0f} B/token/layer"))
+    else:
+        rows.append(Row("activations: saved", L * T * c, f"L*T*c, T={T}, c={c:,.0f} B/token/layer"))
+    rows.append(Row("activations: backward working set", 2 * T * (h + i) * a, "2*T*(h+i)*a"))
+    head = T * h * (4 + 2 * a) + 2 * min(T, 4096) * min(shape.vocab_size, 32768) * a
+    rows.append(Row("activations: output head", head, "T*h*(4+2a) + 2*min(T,4096)*min(V,32768)*a (chunked)"))
+    return rows
+
+
+def gather_bytes(shape: ModelShape, w: Workload, d: Distribution) -> tuple[float, str]:
+    """FSDP all-gather buffers: FULL_SHARD keeps the root unit (embeddings, norm, head: not resharded between
+    forward and backward) plus 2 decoder-layer units (the one computing and the one prefetched) unsharded;
+    SHARD_GRAD_OP keeps every unit unsharded from forward to backward. Gathered in the compute dtype under mixed
+    precision (2 bytes), else as stored (4-bit: U/2 + non-quantized x b). With 4-bit weights the linear being
+    computed is also dequantized: + largest linear x a."""
+    if d.kind != "fsdp" or d.shard_group == 1:
+        return 0.0, "no sharding"
+    layer_q = sum(lin.in_features * lin.out_features for lin in shape.layer_linears)
+    g = 2 if d.mixed_precision in ("bf16", "fp16") else w.load_bytes
+    if w.quant == "4bit":
+        layer = layer_q / 2 + (shape.layer_params - layer_q) * w.load_bytes
+        root = shape.root_params * w.load_bytes
+        dequant = shape.largest_linear_params * w.compute_bytes
+    else:
+        layer, root, dequant = shape.layer_params * g, shape.root_params * g, 0.0
+    if d.reshards_after_forward:
+        total, formula = root + 2 * layer, "root + 2 x layer unit"
+    else:
+        total, formula = root + shape.num_layers * layer, "every unit (no reshard after forward)"
+    if dequant:
+        total += dequant
+        formula += " + dequantized largest linear"
+    return total, formula

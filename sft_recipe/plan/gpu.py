@@ -1,0 +1,111 @@
+"""GPU memory of one rank and host RAM of one machine for a CUDA run, from the components (components.py)."""
+
+from __future__ import annotations
+
+from sft_recipe.plan.components import (
+    activation_rows,
+    adapter_bytes,
+    base_weight_bytes,
+    count_trainable,
+    gather_bytes,
+    optimizer_bytes,
+)
+from sft_recipe.plan.inputs import Distribution, Workload
+from sft_recipe.plan.result import GIB, Row
+from sft_recipe.plan.shape import ModelShape
+
+# ---- GPU framework overhead defaults ----
+DEFAULT_CUDA_CONTEXT_GIB = 1.0   # CUDA context + cuBLAS workspaces + NCCL buffers, per process
+DEFAULT_ALLOCATOR_RESERVE = 0.10  # caching allocator: reserved beyond allocated, as a fraction of the transient part
+DEFAULT_HOST_RUNTIME_GIB = 3.0   # host RSS of one CUDA PyTorch process (libraries, kernels, Python)
+
+UPSTREAM_SAVE_ROW = "upstream's final save (rank 0)"
+
+
+def estimate_gpu(shape: ModelShape, w: Workload, d: Distribution,
+                 knobs: dict) -> tuple[list[Row], dict, list[Row], float]:
+    """GPU memory of one rank: (rows, phase -> bytes), then host RAM of one machine (host_ram_rows).
+
+    train step = base weights/G (0 when offloaded) + replicated 4-bit constants + (trainable + gradients +
+                 optimizer)/G (0 when offloaded) + activations + all-gather buffers
+                 + allocator_reserve x (activations + buffers) + cuda_context_gib
+    load+wrap  = weights/G + one decoder layer moved whole (load dtype) + cuda_context_gib
+    """
+    G = d.shard_group
+    shardable, replicated, wformula = base_weight_bytes(shape, w)
+    trainable, tbytes = count_trainable(shape, w)
+    opt, oformula = optimizer_bytes(shape, w, trainable, tbytes)
+    on_gpu = 0.0 if d.offload else 1.0
+    sharded = G if d.kind == "fsdp" else 1
+    rows = [
+        Row("base weights", on_gpu * shardable / sharded + replicated,
+            f"({wformula})" + (f" / G, G={G}" if sharded > 1 else "") + (" -- offloaded to CPU" if d.offload else "")),
+        Row("LoRA/DoRA params" if w.lora else "trainable params", on_gpu * trainable * tbytes / sharded,
+            f"{trainable:,} x {tbytes} B" + (f" / {G}" if sharded > 1 else "")),
+        Row("gradients", on_gpu * trainable * tbytes / sharded, "same as trainable params"),
+        Row("optimizer state", on_gpu * opt / sharded, oformula + (f" / {G}" if sharded > 1 else "")),
+    ]
+    rows += activation_rows(shape, w, "cuda")
+    gather, gformula = gather_bytes(shape, w, d)
+    if d.offload and d.kind == "fsdp":  # the shard is copied host->device before its all-gather
+        gather += shape.layer_params * (2 if d.mixed_precision != "no" else w.load_bytes) / G
+        gformula += " + host->device copy of a shard"
+    rows.append(Row("FSDP all-gather buffers", gather, gformula))
+    transient = sum(r.bytes for r in rows if r.name.startswith("activations")) + gather
+    rows.append(Row("allocator reserve", knobs["allocator_reserve"] * transient,
+                    f"{knobs['allocator_reserve']:.0%} of activations + buffers (reserved > allocated)"))
+    rows.append(Row("framework overhead", knobs["cuda_context_gib"] * GIB,
+                    "CUDA context, cuBLAS, NCCL (--cuda_context_gib)"))
+    step = sum(r.bytes for r in rows)
+    # Wrapping: each rank's shard plus one layer moved to the GPU whole (in the load dtype) before it is sharded.
+    wrap = (on_gpu * shardable / sharded + replicated + shape.layer_params * w.load_bytes
+            + knobs["cuda_context_gib"] * GIB)
+    phases = {"train step": step, "load+wrap": wrap}
+    host_rows, host_peak = host_ram_rows(shape, w, d, knobs)
+    return rows, phases, host_rows, host_peak
+
+
+def host_ram_rows(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) -> tuple[list[Row], float]:
+    """Host RAM of one machine of a CUDA run: (rows, then notes not in the peak; peak bytes).
+
+    host = runtime (n x host_runtime_gib) + max(loading, offloaded + final save), where
+           loading     = one copy of the loaded weights on local rank 0 and none on the others
+                         (cpu_ram_efficient_loading, not quantized), else one copy per rank,
+           offloaded   = (weights + trainable + gradients + optimizer) x n/G,
+           final save  = 2 x the adapter's bytes on rank 0 (gathered, then written): sft_recipe/artifacts/gather.py
+                         gathers only what the adapter holds. Upstream's FULL_STATE_DICT save gathers every
+                         weight there instead: listed as a note, not in the peak.
+    The checkpoint files also pass through the page cache (reclaimable, listed, not in the peak).
+    """
+    G, n = d.shard_group, d.per_machine
+    shardable, replicated, _ = base_weight_bytes(shape, w)
+    trainable, tbytes = count_trainable(shape, w)
+    opt, _ = optimizer_bytes(shape, w, trainable, tbytes)
+    full_loaded = shardable + replicated
+    host = [Row("runtime", n * knobs["host_runtime_gib"] * GIB, f"{n} processes x {knobs['host_runtime_gib']:g} GiB "
+                "(CUDA libraries, Python; --host_runtime_gib)", "host")]
+    if d.kind == "fsdp" and d.cpu_ram_efficient_loading and not w.quant:
+        load = full_loaded
+        lformula = "one copy of the weights as loaded, on local rank 0; 0 on the others (cpu_ram_efficient_loading)"
+    elif d.kind == "fsdp" and d.cpu_ram_efficient_loading:
+        load = n * full_loaded
+        lformula = (f"{n} cop{'y' if n == 1 else 'ies'} of the 4-bit weights: every rank quantizes its own (accelerate "
+                    "broadcasts no Params4bit from rank 0)")
+    else:
+        load = n * full_loaded
+        lformula = f"{n} cop{'y' if n == 1 else 'ies'} of the weights as loaded (one per process)"
+    host.append(Row("loading", load, lformula, "host"))
+    offloaded = 0.0
+    if d.offload:
+        offloaded = (shardable + (2 * trainable * tbytes + opt)) * n / G
+        host.append(Row("offloaded shards", offloaded, "(weights + trainable + grads + optimizer) x n/G", "host"))
+    adapter, aformula = adapter_bytes(shape, w)
+    save = 2 * adapter
+    host.append(Row("final save (rank 0)", save, f"2 x adapter ({aformula}): only what the adapter holds", "host"))
+    notes = [Row("page cache (reclaimable)", shape.checkpoint_bytes, "checkpoint files read through the page cache",
+                 "note")]
+    if d.kind == "fsdp":
+        notes.append(Row(UPSTREAM_SAVE_ROW, shardable + replicated,
+                         "FULL_STATE_DICT gathers every weight to rank 0's RAM (not in the peak)", "note"))
+    host_peak = host[0].bytes + max(load, offloaded + save)
+    return host + notes, host_peak

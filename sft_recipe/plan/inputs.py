@@ -1,0 +1,225 @@
+"""What the run does, from what training reads: the accelerate YAML (or the launcher's environment) says how it is
+spread (Distribution), the train.py flags say what one rank computes (Workload)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from sft_recipe.config.args import ConfigError
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """How the run is spread, from the accelerate YAML (or the launcher's environment) and --num_processes."""
+
+    kind: str  # "single", "ddp" or "fsdp"
+    num_processes: int
+    num_machines: int = 1
+    fsdp_version: int = 1
+    sharding: str = "FULL_SHARD"
+    offload: bool = False
+    cpu_ram_efficient_loading: bool = False
+    mixed_precision: str = "no"  # accelerate's mixed_precision: no|bf16|fp16
+
+    @property
+    def per_machine(self) -> int:
+        return max(1, self.num_processes // max(1, self.num_machines))
+
+    @property
+    def shard_group(self) -> int:
+        """G: ranks each parameter is split over."""
+        if self.kind != "fsdp" or self.sharding == "NO_SHARD":
+            return 1
+        if self.sharding.startswith("HYBRID"):
+            return self.per_machine
+        return self.num_processes
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        return self.sharding in ("FULL_SHARD", "HYBRID_SHARD")
+
+    def describe(self) -> str:
+        if self.kind == "single":
+            return "1 process"
+        if self.kind == "ddp":
+            return f"DDP, {self.num_processes} processes"
+        off = ", CPU offload" if self.offload else ""
+        return f"FSDP{self.fsdp_version} {self.sharding}, {self.num_processes} processes{off}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one rank computes, from the train.py flags."""
+
+    micro_batch: int
+    grad_accum: int
+    seq_len: int
+    packing: bool
+    gradient_checkpointing: bool
+    lora: bool
+    lora_r: int
+    lora_targets: str | tuple[str, ...]
+    lora_dropout: float
+    dora: bool
+    quant: str | None  # None, "4bit", "8bit"
+    double_quant: bool
+    load_bytes: int  # b: bytes per base weight as loaded
+    compute_bytes: int  # a
+    optimizer: str
+    flash_attention: bool
+    extra_vocab: int
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+def read_accelerate_config(accelerate_config: dict | str | os.PathLike | None) -> dict:
+    """The accelerate YAML as a dict: a path, a dict (train.py passes `LaunchEnv.accelerate_config()`, what the
+    launcher exported), or None (one process)."""
+    if accelerate_config is None:
+        return {"distributed_type": "NO", "num_processes": 1}
+    if isinstance(accelerate_config, dict):
+        return accelerate_config
+    path = Path(accelerate_config)
+    if not path.is_file():
+        raise ConfigError([f"--config_file {accelerate_config}: no such file. Fix: pass an accelerate YAML, e.g. "
+                           "configs/fsdp_config.yaml."])
+    import yaml
+
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError([f"--config_file {accelerate_config}: not valid YAML ({e})."]) from None
+    if not isinstance(raw, dict):
+        raise ConfigError([f"--config_file {accelerate_config}: must be a mapping (accelerate's YAML), "
+                           f"not {type(raw).__name__}."])
+    return raw
+
+
+def distribution(cfg: dict, num_processes: int | None = None, training_args=None) -> Distribution:
+    kind_raw = str(cfg.get("distributed_type", "NO")).upper()
+    kinds = {"NO": "single", "MULTI_GPU": "ddp", "MULTI_CPU": "ddp", "FSDP": "fsdp"}
+    if kind_raw not in kinds:
+        raise ConfigError([f"accelerate config: distributed_type {kind_raw} is not planned here (NO, MULTI_GPU, "
+                           "MULTI_CPU, FSDP are). Fix: use one of configs/*.yaml."])
+    n = int(num_processes or cfg.get("num_processes") or 1)
+    if n < 1:
+        raise ConfigError([f"--num_processes {n}: must be at least 1."])
+    machines = int(cfg.get("num_machines") or 1)
+    kind = kinds[kind_raw] if n > 1 or kind_raw == "FSDP" else "single"
+    mp = str(cfg.get("mixed_precision", "no")).lower()
+    if training_args is not None and getattr(training_args, "bf16", False):
+        mp = "bf16"
+    elif training_args is not None and getattr(training_args, "fp16", False):
+        mp = "fp16"
+    fc = cfg.get("fsdp_config") or {}
+    version = int(fc.get("fsdp_version", 1))
+    sharding = "FULL_SHARD"
+    if version == 2:
+        raf = fc.get("fsdp_reshard_after_forward", True)
+        sharding = "FULL_SHARD" if str(raf).lower() in ("true", "1", "full_shard") else "SHARD_GRAD_OP"
+    else:
+        raw = fc.get("fsdp_sharding_strategy", fc.get("fsdp_reshard_after_forward", "FULL_SHARD"))
+        raw = str(raw).upper()
+        if raw.isdigit() and 1 <= int(raw) <= len(SHARDING_STRATEGIES):
+            raw = SHARDING_STRATEGIES[int(raw) - 1]
+        if raw in ("TRUE",):
+            raw = "FULL_SHARD"
+        if raw not in SHARDING_STRATEGIES:
+            raise ConfigError([f"accelerate config: fsdp_sharding_strategy {raw} is unknown. Fix: one of "
+                               f"{', '.join(SHARDING_STRATEGIES)}."])
+        sharding = raw
+    return Distribution(
+        kind=kind, num_processes=n, num_machines=machines, fsdp_version=version, sharding=sharding,
+        offload=kind == "fsdp" and bool(fc.get("fsdp_offload_params", False)),
+        cpu_ram_efficient_loading=kind == "fsdp" and bool(fc.get("fsdp_cpu_ram_efficient_loading", False)),
+        mixed_precision=mp,
+    )
+
+
+def workload(model_args, data_args, training_args, device: str, dora: bool = False) -> Workload:
+    from sft_recipe.train.model import CHAT_FORMATS, DTYPES, lora_target_modules, model_dtype
+
+    quant = "4bit" if model_args.use_4bit_quantization else ("8bit" if model_args.use_8bit_quantization else None)
+    load_bytes = model_dtype(model_args).itemsize
+    bf16 = bool(getattr(training_args, "bf16", False) or getattr(training_args, "fp16", False))
+    compute = 2 if (bf16 or load_bytes == 2) else 4
+    if quant == "4bit" and DTYPES[model_args.bnb_4bit_compute_dtype].itemsize == 2:
+        compute = 2
+    fmt = CHAT_FORMATS.get(model_args.chat_template_format)
+    extra_vocab = (len(fmt.extra_special_tokens) + 1) if fmt else 0  # + pad
+    targets = lora_target_modules(model_args)
+    seq = training_args.max_length or 1024
+    # transformers 5.24 renamed gradient_checkpointing to activation_checkpointing (the old name mirrors it).
+    checkpointing = getattr(training_args, "activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = training_args.gradient_checkpointing
+    return Workload(
+        micro_batch=training_args.per_device_train_batch_size,
+        grad_accum=training_args.gradient_accumulation_steps,
+        seq_len=seq,
+        packing=bool(training_args.packing),
+        gradient_checkpointing=bool(checkpointing),
+        lora=bool(model_args.use_peft_lora),
+        lora_r=model_args.lora_r,
+        lora_targets=targets if isinstance(targets, str) else tuple(targets),
+        lora_dropout=model_args.lora_dropout,
+        dora=bool(dora or getattr(model_args, "use_dora", False)),
+        quant=quant,
+        double_quant=bool(model_args.use_nested_quant),
+        load_bytes=load_bytes,
+        compute_bytes=compute,
+        optimizer=str(getattr(training_args.optim, "value", training_args.optim)),
+        flash_attention=bool(model_args.use_flash_attn) and device == "cuda",
+        extra_vocab=extra_vocab,
+    )
+
+
+def check_inputs(gpu_memory_gib, device: str, d: Distribution, w: Workload) -> None:
+    """Every problem with the budget, the device and the batch shape, listed at once (ConfigError)."""
+    problems = []
+    if device not in ("cuda", "cpu"):
+        problems.append(f"device {device!r}: must be 'cuda' (GPU memory) or 'cpu' (peak RSS of a CPU run).")
+    try:
+        budget = float(gpu_memory_gib)
+        if not budget > 0:
+            raise ValueError
+    except (TypeError, ValueError):
+        problems.append(f"--gpu_memory_gib {gpu_memory_gib!r}: must be a positive number of GiB (e.g. 80 for an "
+                        "80 GB GPU, 24 for a 24 GB one).")
+    if w.micro_batch < 1 or w.grad_accum < 1 or w.seq_len < 1:
+        problems.append(f"--per_device_train_batch_size {w.micro_batch} / --gradient_accumulation_steps "
+                        f"{w.grad_accum} / --max_length {w.seq_len}: each must be at least 1.")
+    if device == "cpu" and d.offload:
+        problems.append("fsdp_offload_params: true on a CPU run: torch pins the offloaded shards in page-locked "
+                        "memory, which needs a GPU (\"Cannot access accelerator device\"). Fix: plan it with "
+                        "--device cuda, or drop fsdp_offload_params for the CPU run.")
+    if problems:
+        raise ConfigError(problems)
+
+
+def parse_train_flags(train_argv: list[str], device: str):
+    """train.py's own parser. Planning a GPU run on a machine without one: the CPU switch keeps transformers from
+    refusing bf16, and bf16 defaults to on as TRL does on a bf16 GPU unless the flags say otherwise."""
+    from sft_recipe.config.args import build_parser, explicitly_set, known_option_names, parse_args, read_recipe_yaml
+    from sft_recipe.config.launch_env import read_launch_env
+
+    argv = list(train_argv)
+    if not any(t == "--output_dir" or t.startswith("--output_dir=") for t in argv):
+        argv += ["--output_dir", os.path.join(os.getcwd(), "plan-output")]  # never written
+    launch = read_launch_env()
+    model_args, data_args, recipe_args, training_args = parse_args(
+        argv, launch.for_planning_a_gpu_run() if device == "cuda" else launch)
+    if device == "cuda":
+        yaml_values = {}
+        config = next((argv[i + 1] for i, t in enumerate(argv[:-1]) if t == "--config"), None)
+        if config:
+            yaml_values = read_recipe_yaml(config, known_option_names(build_parser()))[0]
+        if not explicitly_set(argv, yaml_values, "bf16"):
+            training_args.bf16 = True
+    return model_args, data_args, recipe_args, training_args

@@ -1,0 +1,132 @@
+"""One run's plan (plan_memory), and when it does not fit, the cheapest changes that make it fit (fit_ladder)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from sft_recipe.plan.cpu import estimate_cpu
+from sft_recipe.plan.gpu import (
+    DEFAULT_ALLOCATOR_RESERVE,
+    DEFAULT_CUDA_CONTEXT_GIB,
+    DEFAULT_HOST_RUNTIME_GIB,
+    estimate_gpu,
+)
+from sft_recipe.plan.inputs import Distribution, Workload, check_inputs, distribution, read_accelerate_config, workload
+from sft_recipe.plan.result import LadderStep, MemoryPlan
+from sft_recipe.plan.shape import ModelShape, model_shape
+
+
+def plan_memory(model_args, data_args, training_args, accelerate_config: dict | str | None = None,
+                num_processes: int | None = None, gpu_memory_gib: float = 80.0, device: str = "cuda", *,
+                cuda_context_gib: float = DEFAULT_CUDA_CONTEXT_GIB,
+                allocator_reserve: float = DEFAULT_ALLOCATOR_RESERVE,
+                host_runtime_gib: float = DEFAULT_HOST_RUNTIME_GIB, dora: bool = False, ladder: bool = True,
+                shape: ModelShape | None = None) -> MemoryPlan:
+    """Plan one run's memory. `accelerate_config`: YAML path, dict (inside `accelerate launch`:
+    LaunchEnv.accelerate_config()) or None (one process). `device`: "cuda" predicts GPU memory per rank; "cpu"
+    predicts peak RSS per rank of a CPU run."""
+    cfg = read_accelerate_config(accelerate_config)
+    d = distribution(cfg, num_processes, training_args)
+    w = workload(model_args, data_args, training_args, device, dora)
+    check_inputs(gpu_memory_gib, device, d, w)
+    if shape is None:
+        shape = model_shape(model_args.model_name_or_path, bool(getattr(training_args, "trust_remote_code", False)),
+                            w.extra_vocab)
+    knobs = {"cuda_context_gib": cuda_context_gib, "allocator_reserve": allocator_reserve,
+             "host_runtime_gib": host_runtime_gib}
+    plan = _plan(shape, w, d, float(gpu_memory_gib), device, knobs)
+    if ladder and not plan.fits:
+        plan.ladder = fit_ladder(shape, w, d, float(gpu_memory_gib), device, knobs)
+    return plan
+
+
+def _plan(shape: ModelShape, w: Workload, d: Distribution, budget: float, device: str, knobs: dict) -> MemoryPlan:
+    """One plan, without the ladder: the device's estimate, each rank's peak and the notes."""
+    notes = []
+    flags = [f"B={w.micro_batch} x accumulation {w.grad_accum}", f"seq {w.seq_len}",
+             "checkpointing" if w.gradient_checkpointing else "no checkpointing",
+             (f"{'DoRA' if w.dora else 'LoRA'} r={w.lora_r}" if w.lora else "full fine-tuning"),
+             {"4bit": "4-bit NF4" + (" + double quant" if w.double_quant else ""), "8bit": "8-bit"}.get(w.quant, "") or
+             f"weights {w.load_bytes} B", f"activations {w.compute_bytes} B", w.optimizer]
+    setup = f"{d.describe()}; " + ", ".join(f for f in flags if f)
+    if device == "cuda":
+        rows, phases, host_rows, host_peak = estimate_gpu(shape, w, d, knobs)
+        per_rank = [max(phases.values())] * d.num_processes
+        if not w.flash_attention and w.packing:
+            notes.append("SDPA with packed rows builds a T x T block mask; --use_flash_attn True avoids it.")
+    else:
+        rows, phases = estimate_cpu(shape, w, d, 0)
+        per_rank = [max(phases.values())]
+        for rank in range(1, d.num_processes):
+            per_rank.append(max(estimate_cpu(shape, w, d, rank)[1].values()))
+        host_rows, host_peak = [], 0.0
+        notes.append("CPU mode: constants measured on this stack with glibc malloc (see bench/memory_plan.py).")
+    notes.append(f"model: {shape.source}: {shape.total_params:,} params, {shape.num_layers} layers")
+    return MemoryPlan(device=device, model=shape.source, setup=setup, budget_gib=budget, rows=rows, phases=phases,
+                      host_rows=host_rows, host_peak_bytes=host_peak, notes=notes, per_rank_bytes=per_rank)
+
+
+def _peak(shape, w, d, budget, device, knobs) -> float:
+    return _plan(shape, w, d, budget, device, knobs).peak_gib
+
+
+def fit_ladder(shape: ModelShape, w: Workload, d: Distribution, budget: float, device: str,
+               knobs: dict) -> list[LadderStep]:
+    """The cheapest changes, applied one after the other, until the run fits:
+    1. gradient checkpointing; 2. FULL_SHARD (FSDP over the same GPUs); 3. a smaller micro-batch with more
+    accumulation (same global batch); 4. 4-bit weights (QLoRA, with LoRA); 5. CPU offload (GPU only); 6. more GPUs.
+    A step is listed only when it lowers the peak."""
+    steps: list[LadderStep] = []
+    current = _peak(shape, w, d, budget, device, knobs)
+
+    def consider(change: str, how: str, w2: Workload, d2: Distribution) -> bool:
+        nonlocal w, d, current
+        peak = _peak(shape, w2, d2, budget, device, knobs)
+        if peak >= current - 1e-9:
+            return False
+        w, d, current = w2, d2, peak
+        steps.append(LadderStep(change, how, round(peak, 3), peak <= budget))
+        return peak <= budget
+
+    if not w.gradient_checkpointing and consider(
+            "gradient checkpointing", "--gradient_checkpointing True", replace(w, gradient_checkpointing=True), d):
+        return steps
+    if d.num_processes > 1 and not (d.kind == "fsdp" and d.sharding == "FULL_SHARD"):
+        d2 = replace(d, kind="fsdp", sharding="FULL_SHARD")
+        if consider("FULL_SHARD", "--config_file configs/fsdp_config.yaml (fsdp_sharding_strategy: FULL_SHARD)",
+                    w, d2):
+            return steps
+    if w.micro_batch > 1:
+        global_batch = w.micro_batch * w.grad_accum
+        for b in [x for x in range(w.micro_batch - 1, 0, -1) if w.micro_batch % x == 0]:
+            w2 = replace(w, micro_batch=b, grad_accum=global_batch // b)
+            if _peak(shape, w2, d, budget, device, knobs) <= budget or b == 1:
+                if consider(f"micro-batch {b}, accumulation {global_batch // b} (same global batch)",
+                            f"--per_device_train_batch_size {b} --gradient_accumulation_steps {global_batch // b}",
+                            w2, d):
+                    return steps
+                break
+    if w.lora and w.quant is None:
+        w2 = replace(w, quant="4bit", double_quant=True, load_bytes=2 if d.kind == "fsdp" else w.load_bytes,
+                     compute_bytes=2 if device == "cuda" else w.compute_bytes)
+        how = ("--use_4bit_quantization True --use_nested_quant True --bnb_4bit_quant_type nf4 "
+               "--bnb_4bit_compute_dtype bfloat16 --bnb_4bit_quant_storage_dtype bfloat16 --bf16 True")
+        if consider("4-bit base weights (QLoRA)", how, w2, d):
+            return steps
+    if device == "cuda" and d.kind == "fsdp" and not d.offload:
+        if consider("CPU offload", "fsdp_offload_params: true (as configs/fsdp_config_qlora.yaml)", w,
+                    replace(d, offload=True)):
+            return steps
+    per_machine = 8 if device == "cuda" else d.per_machine
+    n = d.num_processes
+    for _ in range(12):
+        n = n * 2 if n < per_machine else (n // per_machine + 1) * per_machine
+        d2 = replace(d, kind="fsdp", num_processes=n, num_machines=max(1, math.ceil(n / per_machine)),
+                     sharding=d.sharding if d.kind == "fsdp" else "FULL_SHARD")
+        if _peak(shape, w, d2, budget, device, knobs) <= budget:
+            consider(f"{n} GPUs" if device == "cuda" else f"{n} processes",
+                     f"--num_processes {n} (global batch grows {n / d.num_processes:g}x: lower "
+                     "--gradient_accumulation_steps to keep it)", w, d2)
+            break
+    return steps

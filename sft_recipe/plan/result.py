@@ -1,0 +1,103 @@
+"""The plan itself: its rows (one memory component each), the fit ladder's steps, and how the plan prints."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+GIB = 2 ** 30
+MIB = 2 ** 20
+
+
+@dataclass
+class Row:
+    name: str
+    bytes: float
+    formula: str
+    where: str = "gpu"  # gpu|host
+
+    def gib(self) -> float:
+        return self.bytes / GIB
+
+
+@dataclass
+class LadderStep:
+    change: str
+    how: str
+    per_rank_gib: float
+    fits: bool
+
+
+@dataclass
+class MemoryPlan:
+    device: str
+    model: str
+    setup: str
+    budget_gib: float
+    rows: list[Row]
+    phases: dict[str, float]  # phase -> per-rank peak bytes
+    host_rows: list[Row]
+    host_peak_bytes: float
+    notes: list[str] = field(default_factory=list)
+    ladder: list[LadderStep] = field(default_factory=list)
+    per_rank_bytes: list[float] = field(default_factory=list)  # peak of each rank (rank 0 can differ)
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(self.per_rank_bytes) if self.per_rank_bytes else max(self.phases.values())
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
+
+    @property
+    def headroom_gib(self) -> float:
+        return self.budget_gib - self.peak_gib
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_gib >= 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device, "model": self.model, "setup": self.setup, "budget_gib": self.budget_gib,
+            "peak_gib": round(self.peak_gib, 3), "headroom_gib": round(self.headroom_gib, 3), "fits": self.fits,
+            "per_rank_gib": [round(b / GIB, 3) for b in self.per_rank_bytes],
+            "per_rank_mib": [round(b / MIB, 1) for b in self.per_rank_bytes],
+            "phases_gib": {k: round(v / GIB, 3) for k, v in self.phases.items()},
+            "rows": [{"name": r.name, "gib": round(r.gib(), 3), "formula": r.formula} for r in self.rows],
+            "host_rows": [{"name": r.name, "gib": round(r.gib(), 3), "formula": r.formula} for r in self.host_rows],
+            "host_peak_gib": round(self.host_peak_bytes / GIB, 3),
+            "ladder": [asdict(s) for s in self.ladder], "notes": list(self.notes),
+        }
+
+    def render(self) -> str:
+        unit = "GiB"
+        what = "GPU memory per rank" if self.device == "cuda" else "peak RSS per rank (CPU run)"
+        lines = [f"memory plan: {self.model}", f"  setup: {self.setup}", f"  {what}:"]
+        width = max(len(r.name) for r in self.rows) + 2
+        for r in self.rows:
+            lines.append(f"    {r.name:<{width}}{r.gib():>9.2f} {unit}   {r.formula}")
+        lines.append(f"    {'peak (largest phase)':<{width}}{self.peak_gib:>9.2f} {unit}   phases: " + ", ".join(
+            f"{k} {v / GIB:.2f}" for k, v in self.phases.items()))
+        if self.per_rank_bytes and len(set(round(b) for b in self.per_rank_bytes)) > 1:
+            lines.append("    per rank: " + ", ".join(f"rank {i} {b / GIB:.2f}" for i, b in
+                                                       enumerate(self.per_rank_bytes)))
+        if self.host_rows:
+            lines.append("  host RAM per machine:")
+            hw = max(len(r.name) for r in self.host_rows) + 2
+            for r in self.host_rows:
+                lines.append(f"    {r.name:<{hw}}{r.gib():>9.2f} {unit}   {r.formula}")
+            lines.append(f"    {'peak':<{hw}}{self.host_peak_bytes / GIB:>9.2f} {unit}")
+        verdict = "FITS" if self.fits else "DOES NOT FIT"
+        lines.append(f"verdict: {verdict} in {self.budget_gib:g} GiB per "
+                     f"{'GPU' if self.device == 'cuda' else 'rank'}: peak {self.peak_gib:.2f} GiB, headroom "
+                     f"{self.headroom_gib:+.2f} GiB")
+        if self.ladder:
+            lines.append("cheapest changes that make it fit, in order (each includes the ones above it):")
+            for k, s in enumerate(self.ladder, 1):
+                mark = "fits" if s.fits else "still too big"
+                lines.append(f"  {k}. {s.change}: {s.per_rank_gib:.2f} GiB per rank ({mark})   {s.how}")
+        for note in self.notes:
+            lines.append(f"note: {note}")
+        return "\n".join(lines)

@@ -1,0 +1,292 @@
+"""Tokenizer, chat templates, quantization, the base model and the LoRA config."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from sft_recipe.config.args import ModelArguments
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
+
+# Our own Jinja templates. Assistant turns are wrapped in {% generation %} so TRL's assistant-only loss can find them.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}"
+    "{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+ZEPHYR_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + eos_token }}{% endif %}"
+    "{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    template: str
+    extra_special_tokens: tuple[str, ...]
+    eos_token: str | None  # None: keep the tokenizer's
+
+
+CHAT_FORMATS = {
+    # chatml ends a turn with <|im_end|>, so it becomes EOS: generation then stops at the end of the answer.
+    "chatml": ChatFormat(CHATML_TEMPLATE, ("<|im_start|>", "<|im_end|>"), "<|im_end|>"),
+    "zephyr": ChatFormat(ZEPHYR_TEMPLATE, ("<|user|>", "<|assistant|>", "<|system|>"), None),
+}
+PAD_TOKEN = "<pad>"
+
+
+def load_tokenizer(model_args: ModelArguments, trust_remote_code: bool = False):
+    """Load the tokenizer; for chatml/zephyr add the format's special tokens and template.
+
+    Tokens are added to the loaded tokenizer with `add_tokens(..., special_tokens=True)`: passing
+    `additional_special_tokens=` to `AutoTokenizer.from_pretrained` (what upstream does) is silently ignored by
+    transformers 5.24.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=trust_remote_code)
+    fmt = CHAT_FORMATS.get(model_args.chat_template_format)
+    if fmt is not None:
+        new_tokens = [t for t in fmt.extra_special_tokens if t not in tokenizer.get_vocab()]
+        if new_tokens:
+            tokenizer.add_tokens(new_tokens, special_tokens=True)
+        if fmt.eos_token is not None:
+            tokenizer.eos_token = fmt.eos_token
+        tokenizer.chat_template = fmt.template
+    if tokenizer.pad_token is None:
+        if fmt is not None:
+            tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+        else:
+            # No new rows in the embedding when the user keeps the tokenizer as it is; padding is masked anyway.
+            tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def bnb_config(model_args: ModelArguments):
+    """BitsAndBytesConfig from the flags, or None when not quantizing."""
+    if not (model_args.use_4bit_quantization or model_args.use_8bit_quantization):
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if model_args.use_8bit_quantization:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
+        bnb_4bit_compute_dtype=DTYPES[model_args.bnb_4bit_compute_dtype],
+        bnb_4bit_use_double_quant=model_args.use_nested_quant,
+        bnb_4bit_quant_storage=DTYPES[model_args.bnb_4bit_quant_storage_dtype],
+    )
+
+
+def model_dtype(model_args: ModelArguments) -> torch.dtype:
+    """The dtype weights are loaded in, as upstream: 4-bit with a float storage dtype loads in that dtype (the guide's
+    rule: FSDP flattens parameters of one dtype, so the packed 4-bit storage must match the rest of the model);
+    everything else loads in fp32 and `--bf16` trains with bf16 mixed precision over fp32 master weights (the LoRA
+    weights and their optimizer state stay fp32)."""
+    storage = DTYPES[model_args.bnb_4bit_quant_storage_dtype]
+    if model_args.use_4bit_quantization and storage.is_floating_point:
+        return storage
+    return torch.float32
+
+
+def attn_implementation(model_args: ModelArguments) -> str:
+    return "flash_attention_2" if model_args.use_flash_attn else "sdpa"
+
+
+def flash_attn_problem() -> str | None:
+    """Why flash_attention_2 cannot run here, or None."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return ("--use_flash_attn True: the flash-attn package is not installed. Fix: `pip install flash-attn "
+                "--no-build-isolation` on a CUDA machine (see README), or --use_flash_attn False for PyTorch SDPA.")
+    if not torch.cuda.is_available():
+        return "--use_flash_attn True needs a CUDA GPU and none is visible. Fix: --use_flash_attn False (SDPA)."
+    return None
+
+
+def load_model(model_args: ModelArguments, training_args, tokenizer, launch):
+    """Load the base model in the right dtype/quantization/attention, then fit its embeddings to the tokenizer.
+    `launch` (a LaunchEnv) says whether this rank reads weights at all (weights_arrive_from_rank0)."""
+    from transformers import AutoModelForCausalLM
+
+    if weights_arrive_from_rank0(model_args, launch, training_args.trust_remote_code):
+        model = model_without_weights(model_args, training_args.trust_remote_code)
+        fit_embeddings_to_tokenizer(model, tokenizer)
+        return model
+    # quantization_config only when quantizing here: transformers 5.24 treats an explicit None as "load unquantized",
+    # so a pre-quantized (GPTQ) checkpoint would load as plain Linear layers with random weights, no error.
+    from sft_recipe.train.gptq import loading_kwargs
+
+    quantization = bnb_config(model_args)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_args.model_name_or_path,
+        **({"quantization_config": quantization} if quantization is not None else
+           loading_kwargs(model_args, training_args.trust_remote_code)),
+        dtype=model_dtype(model_args),
+        attn_implementation=attn_implementation(model_args),
+        trust_remote_code=training_args.trust_remote_code,
+    )
+    fit_embeddings_to_tokenizer(model, tokenizer)
+    return model
+
+
+def weights_arrive_from_rank0(model_args: ModelArguments, launch, trust_remote_code: bool = False) -> bool:
+    """Whether this rank should build the model without reading any weight: FSDP with cpu_ram_efficient_loading,
+    on a rank other than its machine's rank 0, and a model that is not quantized.
+
+    Why here: transformers 5.24's `from_pretrained` reads every weight on every rank even with the option on (it only
+    skips re-initialising them), so an 8-GPU machine held 8 host copies of the model while loading. accelerate then
+    keeps rank 0's weights and broadcasts them into the others' shards when it wraps the model (FSDP2:
+    `fsdp2_load_full_state_dict`; FSDP1: `sync_module_states` with a meta `param_init_fn`), so the other ranks only
+    need the architecture. Quantized models are excluded: each rank's 4-bit layers carry quantization state that is
+    computed from the weights while loading and is not part of what accelerate broadcasts.
+    """
+    if not launch.cpu_ram_efficient_loading or launch.local_rank == 0:
+        return False
+    if model_args.use_4bit_quantization or model_args.use_8bit_quantization:
+        return False
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=trust_remote_code)
+    return getattr(config, "quantization_config", None) is None  # pre-quantized checkpoints (GPTQ) load as usual
+
+
+def model_without_weights(model_args: ModelArguments, trust_remote_code: bool = False):
+    """The model's architecture with parameters on the meta device, in the dtype and attention `load_model` uses.
+    Buffers stay real (`include_buffers=False`): non-persistent ones such as rotary frequencies are computed at
+    construction, are not in any checkpoint, and FSDP2's broadcast does not carry them."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=trust_remote_code)
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=model_dtype(model_args),
+                                                attn_implementation=attn_implementation(model_args),
+                                                trust_remote_code=trust_remote_code)
+
+
+def materialize_meta_parameters(model) -> int:
+    """Give every meta-device parameter (the model of `model_without_weights`, and the LoRA layers PEFT built on it)
+    uninitialised CPU storage; returns how many there were.
+
+    Why: accelerate's FSDP2 preparation hands the optimizer the new sharded parameters by matching `data_ptr()`,
+    and every meta tensor has data_ptr 0 -- with meta parameters the optimizer silently kept the old ones and this
+    rank stopped updating its shards (measured: losses drifted from the second step, exit code 0). `torch.empty`
+    storage is never written before accelerate replaces it with rank 0's weights, so its pages stay unresident:
+    host RAM is not spent. This is the state accelerate expects ("non-main ranks only have torch.empty").
+    """
+    count = 0
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.device.type == "meta":
+                empty = torch.empty_like(param, device="cpu")
+                module.register_parameter(name, torch.nn.Parameter(empty, requires_grad=param.requires_grad))
+                count += 1
+    return count
+
+
+def meta_model(model_name_or_path: str, trust_remote_code: bool = False):
+    """The model's architecture on the meta device: built from its config alone, no weights read or allocated, so it
+    costs the same for a 70B as for the tiny model. Used to check configurations and saved adapters."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_utils import set_zero3_state
+
+    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    # set_zero3_state() tells transformers zero.Init is already active: under DeepSpeed ZeRO-3, from_config would
+    # otherwise build the model inside deepspeed.zero.Init, a collective (it broadcasts every parameter), and this
+    # runs on the main process only (the adapter check): it would wait for the other ranks forever.
+    with torch.device("meta"), set_zero3_state():
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def fit_embeddings_to_tokenizer(model, tokenizer) -> bool:
+    """Grow the embeddings to exactly len(tokenizer) when tokens were added; never shrink, never pad.
+
+    Upstream pads to a multiple of 8; the saved adapter then holds more embedding rows than the saved tokenizer has
+    tokens, and `AutoPeftModelForCausalLM.from_pretrained` (which resizes the base to len(tokenizer)) fails with a size
+    mismatch. Exact sizing keeps the standard loader working.
+    `mean_resizing=False`: under `cpu_ram_efficient_loading` non-main ranks hold meta tensors (no values to average),
+    and their rows are overwritten from rank 0 when FSDP syncs module states anyway. New rows start from the
+    initializer; they are trained only when embed_tokens/lm_head are trained.
+    """
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) <= rows:
+        return False
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    return True
+
+
+def lora_target_modules(model_args: ModelArguments) -> str | list[str]:
+    value = model_args.lora_target_modules.strip()
+    if value == "all-linear":
+        return value
+    return [m.strip() for m in value.split(",") if m.strip()]
+
+
+def added_token_ids(model_args: ModelArguments, tokenizer, trust_remote_code: bool = False) -> list[int]:
+    """Ids the tokenizer has beyond the base model's vocabulary (chatml/zephyr tokens, <pad>): rows that start
+    random and that only training can make useful. Read from the model config; no weights are loaded."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=trust_remote_code)
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None) or len(tokenizer)
+    return list(range(vocab_size, len(tokenizer)))
+
+
+def untrained_token_note(model_args: ModelArguments, new_token_ids: list[int]) -> str | None:
+    """A warning when the chat format added tokens whose rows nothing will train."""
+    trained = model_args.train_new_tokens or {"embed_tokens", "lm_head"} & set(
+        _comma_list(model_args.lora_modules_to_save))
+    if not new_token_ids or not model_args.use_peft_lora or trained:
+        return None
+    return (f"{len(new_token_ids)} tokens added for --chat_template_format {model_args.chat_template_format} keep "
+            "random embedding and output rows (LoRA does not train them). To learn them: --train_new_tokens True "
+            "(one process) or --lora_modules_to_save embed_tokens,lm_head (one process or FSDP2).")
+
+
+def _comma_list(value: str) -> list[str]:
+    return [m.strip() for m in value.split(",") if m.strip()]
+
+
+def lora_config(model_args: ModelArguments, new_token_ids: list[int] | None = None):
+    """The LoRA config SFTTrainer wraps the model with, or None for full fine-tuning.
+
+    `new_token_ids` (with --train_new_tokens): PEFT trainable tokens on the input embedding and the output layer, so
+    the rows of tokens the chat format added are learned; only those rows train and are saved. Modules already
+    trained in full (`--lora_modules_to_save`) are left to that.
+    """
+    if not model_args.use_peft_lora:
+        return None
+    from peft import LoraConfig
+
+    modules_to_save = _comma_list(model_args.lora_modules_to_save) or None
+    trainable_tokens = None
+    if model_args.train_new_tokens and new_token_ids:
+        layers = [name for name in ("embed_tokens", "lm_head") if name not in (modules_to_save or [])]
+        trainable_tokens = {name: list(new_token_ids) for name in layers} or None
+    return LoraConfig(
+        r=model_args.lora_r,
+        lora_alpha=model_args.lora_alpha,
+        lora_dropout=model_args.lora_dropout,
+        target_modules=lora_target_modules(model_args),
+        use_dora=model_args.use_dora,
+        modules_to_save=modules_to_save,
+        trainable_token_indices=trainable_tokens,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )

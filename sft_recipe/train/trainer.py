@@ -1,0 +1,210 @@
+"""SFTTrainer with the recipe's guarantees on every save and resume.
+
+- Every save that writes adapter files goes through `adapter.save_final_adapter` (gathered, fixed, verified).
+- FSDP1 checkpoints save and load the LoRA weights (peft 0.21's naming bug otherwise saves none and resumes from
+  fresh LoRA weights with exit code 0).
+- A resume that loads no trainable weights stops the run instead of silently training from scratch.
+- Checkpoints hold no pickles of ours: RNG, scheduler and one-process optimizer state are safetensors/JSON
+  (`state_io`); FSDP shards stay in torch's DCP format, whose `.metadata` pickle is allow-list-checked before loading.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import transformers.trainer as transformers_trainer  # module attributes: keeps compat's patches of save/load_fsdp_model
+from transformers import TrainerCallback
+from trl import SFTTrainer
+
+from sft_recipe import compat
+from sft_recipe.adapters_fsdp2 import reshard_fsdp2_units
+from sft_recipe.artifacts.adapter import save_final_adapter
+from sft_recipe.artifacts.checkpoints import checkpoint_layout, mark_complete
+from sft_recipe.artifacts.gather import adapter_state_keys, fsdp1_sharded_adapter_state
+from sft_recipe.artifacts.state_io import (
+    OPTIMIZER_FILE,
+    SCHEDULER_FILE,
+    load_optimizer,
+    load_rng_state,
+    load_scheduler,
+    rng_state_file,
+    save_optimizer,
+    save_rng_state,
+    save_scheduler,
+    unsafe_dcp_metadata,
+)
+from sft_recipe.measure import RssWatch, live_tensor_mib, save_cost, unsharded_fsdp2_params
+from sft_recipe.train.model import materialize_meta_parameters
+
+logger = logging.getLogger(__name__)
+
+
+class ResumeError(RuntimeError):
+    pass
+
+
+class ReshardAfterEvaluation(TrainerCallback):
+    """Under FSDP2, put every unit back to its shard once an evaluation ends.
+
+    Why: FSDP2 reshards a unit after its backward; a forward without backward (evaluation) leaves the units built
+    with `reshard_after_forward=False` -- accelerate's root unit with the final norm and lm_head -- unsharded until
+    the next backward. At 70B that is 0.5-4 GiB per GPU (bf16-fp32, 32k-128k vocabulary) held through the save that
+    follows an end-of-epoch eval, and the unsharded unit's parameters are plain tensors instead of DTensors, so the
+    run record's frozen-weight checksum summed full tensors instead of shards and reported "frozen weights CHANGED".
+    `FSDPModule.reshard()` is torch's own call for this.
+    """
+
+    def __init__(self):
+        self.unsharded_params_seen = 0  # most parameters an evaluation left unsharded (for the run record)
+
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            return
+        unsharded = unsharded_fsdp2_params(model)  # counted before resharding: what the evaluation left gathered
+        if reshard_fsdp2_units(model):  # 0 units: not FSDP2, nothing was counted that matters
+            self.unsharded_params_seen = max(self.unsharded_params_seen, unsharded)
+
+
+class RecipeSFTTrainer(SFTTrainer):
+    def __init__(self, *args, verify_adapter: bool = True, **kwargs):
+        if not compat.installed():  # the library patches this trainer relies on (FSDP1 checkpoint names, ...)
+            raise RuntimeError("call sft_recipe.compat.install(launch) before building RecipeSFTTrainer")
+        super().__init__(*args, **kwargs)
+        self.verify_adapter = verify_adapter
+        # Chosen now, before FSDP wraps the model: which tensors every adapter save gathers (gather.py).
+        self.adapter_keys = adapter_state_keys(self.model)
+        # Weights this rank read while loading (0 where cpu_ram_efficient_loading built it on meta: they arrive from
+        # rank 0 when FSDP wraps the model), measured before the placeholders below exist.
+        self.weight_mib_after_load = live_tensor_mib([*self.model.parameters(), *self.model.buffers()])
+        materialize_meta_parameters(self.model)
+        self.checkpoint_save_costs: list[dict] = []  # per checkpoint: seconds, added RSS per rank (run record)
+        self.reshard_after_evaluation = ReshardAfterEvaluation()
+        self.add_callback(self.reshard_after_evaluation)
+
+    def _writes_adapter_files(self) -> bool:
+        from peft import PeftModel
+
+        if not isinstance(self.accelerator.unwrap_model(self.model), PeftModel):
+            return False
+        if not self.is_fsdp_enabled:
+            return True
+        return "FULL_STATE_DICT" in str(self.accelerator.state.fsdp_plugin.state_dict_type)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Adapter saves (single process, or FSDP FULL_STATE_DICT) are checked like the final adapter."""
+        if not self._writes_adapter_files():
+            super().save_model(output_dir, _internal_call)
+            return
+        save_final_adapter(self, output_dir or self.args.output_dir, verify=self.verify_adapter,
+                           trust_remote_code=self.args.trust_remote_code)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_checkpoint(self, model, trial):
+        """Mark the checkpoint complete once every rank has written it (resume skips unmarked ones)."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        with RssWatch() as watch:
+            super()._save_checkpoint(model, trial)
+            self.accelerator.wait_for_everyone()
+        self.checkpoint_save_costs.append(save_cost(self.accelerator, watch))
+        if self.accelerator.is_main_process:
+            folder = os.path.join(self._get_output_dir(trial=trial),
+                                  f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            args = self.args
+            mark_complete(folder, self.state.global_step, world_size=args.world_size, global_batch_size=(
+                args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size))
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        save_rng_state(rng_state_file(output_dir, self.args.process_index, self.args.world_size))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        saved_world_size = checkpoint_layout(checkpoint).get("world_size")
+        if saved_world_size and saved_world_size != self.args.world_size:
+            if self.accelerator.is_main_process:
+                logger.warning(f"resuming on {self.args.world_size} ranks from a checkpoint of {saved_world_size}: "
+                               "weights and optimizer state reshard, data order and learning-rate schedule continue; "
+                               "random streams (dropout) start afresh on every rank.")
+            return
+        path = rng_state_file(checkpoint, self.args.process_index, self.args.world_size)
+        if not path.is_file():  # e.g. resumed on a different number of ranks: weights reshard, RNG streams cannot
+            logger.warning(f"{path} not found: random state starts afresh (data order is still restored).")
+            return
+        load_rng_state(path)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.is_deepspeed_enabled:  # DeepSpeed writes its own checkpoint format
+            return super()._save_optimizer_and_scheduler(output_dir)
+        if self.is_fsdp_enabled:  # sharded model + optimizer as DCP folders, through transformers' own functions
+            plugin = self.accelerator.state.fsdp_plugin
+            if not self._save_fsdp1_adapter_shards(output_dir):
+                transformers_trainer.save_fsdp_model(plugin, self.accelerator, self.model, output_dir,
+                                                     **transformers_trainer.get_fsdp_ckpt_kwargs())
+            transformers_trainer.save_fsdp_optimizer(plugin, self.accelerator, self.optimizer, self.model, output_dir)
+        elif self.args.should_save:
+            save_optimizer(self.optimizer, os.path.join(output_dir, OPTIMIZER_FILE))
+        if self.args.should_save:
+            save_scheduler(self.lr_scheduler, os.path.join(output_dir, SCHEDULER_FILE))
+
+    def _save_fsdp1_adapter_shards(self, output_dir: str) -> bool:
+        """FSDP1 SHARDED checkpoints: write the adapter's shards without touching the frozen base (see
+        gather.fsdp1_sharded_adapter_state); False where accelerate's own save must do it."""
+        plugin = self.accelerator.state.fsdp_plugin
+        if plugin.fsdp_version != 1 or "SHARDED_STATE_DICT" not in str(plugin.state_dict_type):
+            return False
+        state = fsdp1_sharded_adapter_state(self.model, self.adapter_keys)
+        if state is None:
+            return False
+        import torch.distributed.checkpoint as dist_cp
+        from accelerate.utils.constants import FSDP_MODEL_NAME
+        from peft import get_peft_model_state_dict
+
+        peft_model = self.accelerator.unwrap_model(self.model)
+        with compat.module_names_without_fsdp_segments(peft_model):  # the keys accelerate's loader will ask for
+            state = get_peft_model_state_dict(peft_model, state_dict=state, adapter_name=peft_model.active_adapter)
+        dist_cp.save(state_dict={"model": state},
+                     storage_writer=dist_cp.FileSystemWriter(os.path.join(output_dir, f"{FSDP_MODEL_NAME}_0")))
+        return True
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        from sft_recipe.measure import trainable_checksum
+
+        unsafe = unsafe_dcp_metadata(resume_from_checkpoint)
+        if unsafe:
+            raise ResumeError("refusing to load a checkpoint whose index holds more than checkpoint metadata "
+                              "(torch would unpickle it): " + "; ".join(unsafe))
+        target = model if model is not None else self.model
+        before = trainable_checksum(self.accelerator, target)
+        result = super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if trainable_checksum(self.accelerator, target) == before:
+            raise ResumeError(
+                f"resuming from {resume_from_checkpoint} loaded no trainable weights: training would silently "
+                "restart from fresh LoRA weights. The checkpoint may come from another model/adapter config, or "
+                "was written without its adapter weights.")
+        return result
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None or self.is_deepspeed_enabled:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        if self.is_fsdp_enabled:
+            plugin = self.accelerator.state.fsdp_plugin
+            if plugin.fsdp_version == 1:
+                compat.init_optimizer_state_before_fsdp1_load(self.optimizer)
+            transformers_trainer.load_fsdp_optimizer(plugin, self.accelerator, self.optimizer, self.model, checkpoint,
+                                                     **transformers_trainer.get_fsdp_ckpt_kwargs())
+        else:
+            path = os.path.join(checkpoint, OPTIMIZER_FILE)
+            if not os.path.isfile(path):
+                raise ResumeError(f"{checkpoint} has no {OPTIMIZER_FILE}: it was not written by this recipe "
+                                  "(or by a version before it stopped writing pickles). Start fresh instead.")
+            load_optimizer(self.optimizer, path)
+        scheduler_path = os.path.join(checkpoint, SCHEDULER_FILE)
+        if not os.path.isfile(scheduler_path):
+            raise ResumeError(f"{checkpoint} has no {SCHEDULER_FILE}: the learning-rate schedule cannot continue.")
+        load_scheduler(self.lr_scheduler, scheduler_path)
+        if not any(self.optimizer.state.values()):
+            raise ResumeError(f"resuming from {checkpoint} restored no optimizer state: training would continue "
+                              "with fresh Adam moments and diverge from the interrupted run.")

@@ -1,0 +1,74 @@
+"""The run record: its summary line speaks the user's words (checked on recorded sections), every field has one
+declared home, and a CPU evaluation does not read as changed frozen weights."""
+
+from __future__ import annotations
+
+import pytest
+
+from sft_recipe.train.record import SECTIONS, RunRecord, summary_line
+
+BASE = {"wrapped_class": "PeftModelForCausalLM", "global_steps": 4, "train_seconds": 1.5,
+        "peak_rss_mib_per_rank": [600.0], "frozen_changed": False, "trainable_changed": True, "device": "cpu"}
+
+
+def _line(**facts) -> str:
+    """The line from a record whose sections hold `facts` (each field put in the section that declares it)."""
+    facts = {**BASE, **facts}
+    record = {name: {k: v for k, v in facts.items() if k in fields} for name, fields in SECTIONS.items()}
+    assert sum(len(section) for section in record.values()) == len(facts)  # every field found its section
+    return summary_line(record)
+
+
+@pytest.mark.parametrize("facts,expected", [
+    ({"distributed_type": "NO", "num_processes": 1}, "run summary: one process on cpu ("),
+    ({"distributed_type": "FSDP", "fsdp_version": 2, "num_processes": 2}, "run summary: FSDP2 on 2 x cpu ("),
+    ({"distributed_type": "MULTI_CPU", "num_processes": 2}, "run summary: DDP on 2 x cpu ("),
+    ({"distributed_type": "DEEPSPEED", "num_processes": 2}, "run summary: DeepSpeed on 2 x cpu ("),
+])
+def test_how_it_ran(facts, expected):
+    assert _line(**facts).startswith(expected)
+
+
+def test_the_loss_part_says_what_was_logged():
+    common = {"distributed_type": "NO", "num_processes": 1}
+    assert "loss 3.000 -> 1.000," in _line(**common, losses=[3.0, 2.0, 1.0])
+    assert "loss 2.500 (logged once)," in _line(**common, losses=[2.5])
+    line = _line(**common, losses=[])
+    assert "nan" not in line and "no training loss logged (--logging_steps is more than the steps run)" in line
+
+
+def test_what_moved_is_said_loudly_when_wrong():
+    line = _line(distributed_type="NO", num_processes=1, frozen_changed=True, trainable_changed=False)
+    assert "frozen weights CHANGED, trainable weights DID NOT MOVE" in line
+
+
+def test_a_field_no_section_declares_is_refused():
+    record = object.__new__(RunRecord)  # set() needs only the sections
+    record.record = {name: {} for name in SECTIONS}
+    record.set("training", losses=[1.0])
+    assert record.record["training"] == {"losses": [1.0]}
+    with pytest.raises(KeyError, match="declares no field"):
+        record.set("training", peak_rss_mib_per_rank=[1.0])  # a memory field
+
+
+def test_a_cpu_evaluation_does_not_change_frozen_4bit_bytes(tiny):
+    """bitsandbytes re-lays out 4-bit bytes in a CPU eval forward (AVX512-BF16 CPUs): the checksum must not see it."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from sft_recipe import compat
+    from sft_recipe.measure import _local_sums
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny.model_dir), quantization_config=BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32))
+    frozen_before = _local_sums(model)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[3, 4, 5, 6]]))
+    relaid = _local_sums(model) != frozen_before
+    restored = compat.restore_bnb_4bit_storage_layout(model)
+    assert (restored > 0) == relaid, "a re-layout happened exactly when there was something to restore"
+    if not restored:
+        pytest.skip("this CPU has no AVX512-BF16: bitsandbytes keeps the stored layout (nothing to undo here)")
+    assert _local_sums(model) == frozen_before
+    assert compat.restore_bnb_4bit_storage_layout(model) == 0
