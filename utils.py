@@ -5,6 +5,7 @@ They are thin: the work lives in the `sft_recipe` package, which `train.py` uses
 
 from __future__ import annotations
 
+from sft_recipe.config.launch_env import read_launch_env
 from sft_recipe.data.prepare import prepare, read_splits
 from sft_recipe.train.model import added_token_ids, load_model, load_tokenizer, lora_config
 
@@ -16,7 +17,7 @@ def create_and_prepare_model(args, data_args, training_args):
     """
     del data_args
     tokenizer = load_tokenizer(args, training_args.trust_remote_code)
-    model = load_model(args, training_args, tokenizer)
+    model = load_model(args, training_args, tokenizer, read_launch_env())  # the launcher decides who reads weights
     return model, lora_config(args, added_token_ids(args, tokenizer, training_args.trust_remote_code)), tokenizer
 
 

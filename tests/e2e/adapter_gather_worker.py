@@ -37,7 +37,7 @@ FLAGS = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lor
          "--eval_strategy", "no", "--seed", "3", "--dataset_text_field", "text", "--packing", "False"]
 
 
-def run_combo(name: str, model_dir: str, out_dir: Path, extra: list[str], label: str | None = None) -> None:
+def run_combo(name: str, model_dir: str, out_dir: Path, extra: list[str], launch, label: str | None = None) -> None:
     import torch
     from datasets import Dataset
     from peft import get_peft_model_state_dict
@@ -54,7 +54,7 @@ def run_combo(name: str, model_dir: str, out_dir: Path, extra: list[str], label:
     model_args, _, _, training_args = parse_args(argv)
     tokenizer = load_tokenizer(model_args)
     texts = [f"fact {i}: the value of item {i} is {i * 7 % 13}." for i in range(16)]
-    model = load_model(model_args, training_args, tokenizer)
+    model = load_model(model_args, training_args, tokenizer, launch)
     trainer = RecipeSFTTrainer(model=model, args=training_args, train_dataset=Dataset.from_dict({"text": texts}),
                                processing_class=tokenizer, peft_config=lora_config(model_args, []))
     trainer.train()
@@ -110,9 +110,9 @@ def main() -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in args.combos.split(","):
-        run_combo(name, args.model_dir, out_dir, extra)
+        run_combo(name, args.model_dir, out_dir, extra, launch)
     if args.big_model_dir:
-        run_combo("lora-chatml", args.big_model_dir, out_dir, extra, label="big-lora-chatml")
+        run_combo("lora-chatml", args.big_model_dir, out_dir, extra, launch, label="big-lora-chatml")
 
 
 if __name__ == "__main__":
