@@ -196,7 +196,9 @@ def read_splits(data_args: DataTrainingArguments) -> LoadedSplits:
 def dataset_flag_notes(data_args: DataTrainingArguments, is_conversational: bool) -> list[str]:
     """What upstream's data flags do in this stack, said once so nobody relies on a no-op."""
     notes = []
-    if not data_args.append_concat_token:
+    # Conversational rows end as the chat template says: the EOS question does not arise, so nothing to say there
+    # (the demo would otherwise warn about a default it never chose).
+    if not data_args.append_concat_token and not is_conversational:
         notes.append("--append_concat_token False has no effect: TRL 1.16 ends every text example with EOS "
                      "(the separator packing relies on).")
     if data_args.add_special_tokens and is_conversational:

@@ -93,7 +93,10 @@ def test_text_rows_keep_only_text_and_get_bos_when_asked(tmp_path):
 def test_upstream_flags_that_do_nothing_say_so():
     from sft_recipe.data.prepare import dataset_flag_notes
 
+    text = dataset_flag_notes(DataTrainingArguments(append_concat_token=False, add_special_tokens=True), False)
+    assert text == ["--append_concat_token False has no effect: TRL 1.16 ends every text example with EOS (the "
+                    "separator packing relies on)."]
     notes = dataset_flag_notes(DataTrainingArguments(append_concat_token=False, add_special_tokens=True), True)
-    assert any("--append_concat_token False has no effect" in n for n in notes)
-    assert any("--add_special_tokens True has no effect on `messages` data" in n for n in notes)
+    assert notes == ["--add_special_tokens True has no effect on `messages` data: the chat template decides the "
+                     "special tokens."]  # and nothing about EOS: the chat template ends each row
     assert dataset_flag_notes(DataTrainingArguments(append_concat_token=True, add_special_tokens=True), False) == []
