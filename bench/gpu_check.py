@@ -199,24 +199,16 @@ def run_step(step: dict, deadline: float) -> dict:
 
 
 def read_results(out: Path) -> dict:
-    """tokens/s, MFU and memory from what train.py wrote (run_record.json after the final save, run_record.json at
-    the end of training): the summary's peak includes the save, the facts' peak does not."""
-    found = {}
+    """tokens/s, MFU and memory from the run record train.py wrote: `peak_memory_gib_per_rank` is taken after the
+    final save (it includes the save), `peak_gpu_memory_gib` at the end of training (it does not)."""
     try:
-        summary = json.loads((out / "run_record.json").read_text())
-        throughput, memory = summary["throughput"], summary["memory"]
-        found.update(tokens_per_second=throughput.get("tokens_per_second"), mfu=throughput.get("mfu"),
-                     peak_after_save_gib=max(memory.get("peak_memory_gib_per_rank") or [None], key=lambda x: x or 0))
+        record = json.loads((out / "run_record.json").read_text())
     except (OSError, ValueError):
-        pass
-    try:
-        facts = json.loads((out / "run_record.json").read_text())
-        found["peak_train_gib"] = facts["memory"].get("peak_gpu_memory_gib")
-        save = facts["saves"].get("final") or {}
-        found["save_seconds"] = save.get("seconds") if isinstance(save, dict) else None
-    except (OSError, ValueError):
-        pass
-    return found
+        return {}
+    throughput, memory, save = record["throughput"], record["memory"], record["saves"].get("final") or {}
+    return {"tokens_per_second": throughput.get("tokens_per_second"), "mfu": throughput.get("mfu"),
+            "peak_after_save_gib": max(memory.get("peak_memory_gib_per_rank") or [None], key=lambda x: x or 0),
+            "peak_train_gib": memory.get("peak_gpu_memory_gib"), "save_seconds": save.get("seconds")}
 
 
 def fmt(value, pattern="{:.1f}") -> str:

@@ -120,9 +120,10 @@ def run(model_dir: Path, work: Path, name: str, gpu: bool, num_gpus: int) -> dic
     else:
         measured = facts["memory"]["peak_rss_mib_per_rank"]
         predicted = predict(model_dir, cfg, flags, "cpu")
+    how = facts["distribution"]
     return {"name": name, "measured_mib": measured, "predicted_mib": [round(p, 1) for p in predicted],
             "seconds": round(seconds, 1),
-            "distributed": f"{facts['distributed_type']}{facts.get('fsdp_version') or ''}"}
+            "distributed": f"{how['distributed_type']}{how.get('fsdp_version') or ''}"}
 
 
 def print_table(results: list[dict], skipped: dict[str, str], what: str) -> float:

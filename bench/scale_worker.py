@@ -52,7 +52,7 @@ def main() -> None:
     import sft_recipe.train.model as model_module
     from sft_recipe.artifacts.adapter import save_final_adapter
     from sft_recipe.config.args import parse_args
-    from sft_recipe.measure import RssWatch, _model_state_mib, _rss_kinds_mib, live_tensor_mib, peak_rss_mib
+    from sft_recipe.measure import RssWatch, live_tensor_mib, model_state_mib, peak_rss_mib, rss_kinds_mib
     from sft_recipe.train.trainer import RecipeSFTTrainer
 
     if args.upstream_load:  # every rank reads the weights, as transformers 5.24 does without the recipe
@@ -60,7 +60,7 @@ def main() -> None:
     model_args, _, _, training_args = parse_args(train_argv)
     tokenizer = model_module.load_tokenizer(model_args)
     model = model_module.load_model(model_args, training_args, tokenizer, launch)
-    load = {"weight_mib": live_tensor_mib([*model.parameters(), *model.buffers()]), "rss_mib": _rss_kinds_mib()[0]}
+    load = {"weight_mib": live_tensor_mib([*model.parameters(), *model.buffers()]), "rss_mib": rss_kinds_mib()[0]}
     texts = [f"fact {i}: the value of item {i} is {i * 7 % 13}, and item {i + 1} follows it." for i in range(64)]
     trainer = RecipeSFTTrainer(model=model, args=training_args, train_dataset=Dataset.from_dict({"text": texts}),
                                processing_class=tokenizer,
@@ -69,7 +69,7 @@ def main() -> None:
 
     class Phases(TrainerCallback):
         def on_train_begin(self, *a, **k):
-            facts["wrap_rss_mib"] = _rss_kinds_mib()[0]
+            facts["wrap_rss_mib"] = rss_kinds_mib()[0]
 
         def on_step_end(self, a, state, *rest, **k):
             if state.global_step == 1:
@@ -79,7 +79,7 @@ def main() -> None:
     trainer.train()
     accelerator = trainer.accelerator
     facts["train_peak_rss_mib"] = peak_rss_mib()
-    facts["model_state_mib"] = _model_state_mib(trainer.model_wrapped, trainer.optimizer)
+    facts["model_state_mib"] = model_state_mib(trainer.model_wrapped, trainer.optimizer)
     ours_dir = Path(training_args.output_dir) / "final-ours"
     ours = save_final_adapter(trainer, str(ours_dir))  # the recipe's final save (adapter-only gather, check, write)
     peak_after_ours = peak_rss_mib()  # the run's peak with our save, before upstream's adds its own

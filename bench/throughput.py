@@ -74,14 +74,12 @@ def run(model_dir: Path, work: Path, name: str) -> dict:
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         return {"name": name, "what": what, "error": proc.stdout[-1500:]}
-    summary = json.loads((out / "run_record.json").read_text())
-    facts = json.loads((out / "run_record.json").read_text())
-    return {"name": name, "what": what, "ranks": facts["distribution"]["num_processes"],
-            "tokens_per_second": summary["throughput"]["tokens_per_second"],
-            "model_state": facts["memory"]["model_state_mib_per_rank"],
-            "after_load": facts["memory"]["rss_anon_after_load_mib_per_rank"],
-            "after_load_file": facts["memory"]["rss_file_after_load_mib_per_rank"],
-            "peak_rss": facts["memory"]["peak_rss_mib_per_rank"]}
+    record = json.loads((out / "run_record.json").read_text())
+    memory = record["memory"]
+    return {"name": name, "what": what, "ranks": record["distribution"]["num_processes"],
+            "tokens_per_second": record["throughput"]["tokens_per_second"],
+            "model_state": memory["model_state_mib_per_rank"], "after_load": memory["rss_anon_after_load_mib_per_rank"],
+            "after_load_file": memory["rss_file_after_load_mib_per_rank"], "peak_rss": memory["peak_rss_mib_per_rank"]}
 
 
 def _per_rank(values: list[float]) -> str:

@@ -30,7 +30,7 @@ def _checksum(t: torch.Tensor) -> int:
     return int(words.sum(dtype=torch.int64))  # reduces without materialising an int64 copy
 
 
-def _local_sums(model) -> tuple[int, int]:
+def local_sums(model) -> tuple[int, int]:
     """(checksum of frozen params, checksum of trainable params) over this rank's shards: exact change detectors."""
     frozen = trainable = 0
     with torch.no_grad():
@@ -45,14 +45,14 @@ def _local_sums(model) -> tuple[int, int]:
     return frozen, trainable
 
 
-def _all_ranks_sum(accelerator, values: tuple[int, int]) -> list[int]:
+def all_ranks_sum(accelerator, values: tuple[int, int]) -> list[int]:
     t = torch.tensor(values, dtype=torch.int64, device=accelerator.device)
     return [int(x) for x in accelerator.reduce(t, reduction="sum")] if accelerator.num_processes > 1 else list(values)
 
 
 def trainable_checksum(accelerator, model) -> int:
     """Collective under FSDP: the checksum of all trainable weights, summed over ranks."""
-    return _all_ranks_sum(accelerator, _local_sums(model))[1]
+    return all_ranks_sum(accelerator, local_sums(model))[1]
 
 
 def live_tensor_mib(tensors) -> float:
@@ -74,7 +74,7 @@ def unsharded_fsdp2_params(model) -> int:
     return sum(type(p).__name__ != "DTensor" for p in model.parameters())
 
 
-def _model_state_mib(model, optimizer) -> float:
+def model_state_mib(model, optimizer) -> float:
     """This rank's share of weights + gradients + optimizer state (shards under FSDP): the part of memory that
     sharding divides by N, measured directly rather than read off RSS (which also holds imports and activations)."""
     tensors = []
@@ -91,7 +91,7 @@ def _model_state_mib(model, optimizer) -> float:
     return live_tensor_mib(tensors)
 
 
-def _rss_kinds_mib() -> tuple[float, float]:
+def rss_kinds_mib() -> tuple[float, float]:
     """(RssAnon, RssFile) of this process in MiB, from /proc (Linux); zeros elsewhere."""
     values = {"RssAnon:": 0.0, "RssFile:": 0.0}
     try:
@@ -122,7 +122,7 @@ class RssWatch:
     def __enter__(self):
         import threading
 
-        self.start_mib = self.peak_mib = _rss_kinds_mib()[0]
+        self.start_mib = self.peak_mib = rss_kinds_mib()[0]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._started = time.perf_counter()
@@ -131,13 +131,13 @@ class RssWatch:
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self.peak_mib = max(self.peak_mib, _rss_kinds_mib()[0])
+            self.peak_mib = max(self.peak_mib, rss_kinds_mib()[0])
             self._stop.wait(self.interval_s)
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak_mib = max(self.peak_mib, _rss_kinds_mib()[0])
+        self.peak_mib = max(self.peak_mib, rss_kinds_mib()[0])
         self.seconds = time.perf_counter() - self._started
 
     @property
@@ -145,10 +145,15 @@ class RssWatch:
         return self.peak_mib - self.start_mib
 
 
+def gather_per_rank(accelerator, values: list[float]) -> torch.Tensor:
+    """Collective: a (num_processes, len(values)) float64 table of every rank's values."""
+    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+    return (accelerator.gather(t) if accelerator.num_processes > 1 else t).reshape(-1, len(values))
+
+
 def save_cost(accelerator, watch: RssWatch, **extra) -> dict:
     """Collective: a save's wall seconds (slowest rank) and the anonymous RSS it added on each rank."""
-    per_rank = torch.tensor([watch.seconds, watch.added_mib], dtype=torch.float64, device=accelerator.device)
-    per_rank = accelerator.gather(per_rank).reshape(-1, 2) if accelerator.num_processes > 1 else per_rank[None]
+    per_rank = gather_per_rank(accelerator, [watch.seconds, watch.added_mib])
     return {"seconds": round(float(per_rank[:, 0].max()), 3),
             "rss_anon_added_mib_per_rank": [round(float(x), 1) for x in per_rank[:, 1]], **extra}
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from sft_recipe.artifacts.adapter import ADAPTER_CONFIG, embedding_leaf_name, saved_embedding_rows
+from sft_recipe.config.args import ConfigError
 from sft_recipe.merge_checks import (  # the refusals and the logits check; callers import them from here too
     CHECK_RELATIVE_TOLERANCE,
     COMMAND,
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                                dtype=args.dtype, overwrite=args.overwrite, check=args.check,
                                check_tolerance=args.check_tolerance, max_shard_size=args.max_shard_size,
                                trust_remote_code=args.trust_remote_code)
-    except MergeError as e:
+    except (MergeError, ConfigError) as e:  # ConfigError: a launcher variable that cannot be read
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1 if isinstance(e, MergeCheckError) else 2
     print(result.summary(), flush=True)

@@ -25,7 +25,7 @@ class LaunchEnv:
     rank: int = 0                      # RANK: this process among all
     local_rank: int = 0                # LOCAL_RANK: this process on its machine
     world_size: int = 1                # WORLD_SIZE: processes in the run
-    local_world_size: int = 1          # LOCAL_WORLD_SIZE: processes on this machine
+    local_world_size: int | None = None  # LOCAL_WORLD_SIZE: processes on this machine (None: not exported)
     use_cpu: bool = False              # ACCELERATE_USE_CPU: the CPU switch (also read by transformers)
     use_fsdp: bool = False             # ACCELERATE_USE_FSDP: the accelerate YAML says distributed_type: FSDP
     use_deepspeed: bool = False        # ACCELERATE_USE_DEEPSPEED
@@ -42,7 +42,7 @@ class LaunchEnv:
     deepspeed_zero3_init: bool = False
     deepspeed_zero3_save_16bit_model: bool = False
     gradient_accumulation_steps: str = ""  # ACCELERATE_GRADIENT_ACCUMULATION_STEPS (a DeepSpeed config's own value)
-    hub_offline: bool = False          # HF_HUB_OFFLINE
+    hub_offline: bool = False          # HF_HUB_OFFLINE, read with huggingface_hub's own rule (it is the hub's)
     hf_token_set: bool = False         # HF_TOKEN is exported (the token's value is never kept)
 
     @property
@@ -71,7 +71,7 @@ class LaunchEnv:
 
     def accelerate_config(self) -> dict[str, Any]:
         """The accelerate YAML rebuilt from what the launcher exported (what the memory plan reads in train.py)."""
-        machines = max(1, self.world_size // max(1, self.local_world_size))
+        machines = max(1, self.world_size // max(1, self.local_world_size or self.world_size))
         cfg: dict[str, Any] = {
             "distributed_type": "FSDP" if self.use_fsdp else ("MULTI_GPU" if self.world_size > 1 else "NO"),
             "num_processes": self.world_size, "num_machines": machines, "mixed_precision": self.mixed_precision,
@@ -116,7 +116,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     world_size = number("WORLD_SIZE", 1)
     launch = LaunchEnv(
         rank=number("RANK", 0), local_rank=number("LOCAL_RANK", 0), world_size=world_size,
-        local_world_size=number("LOCAL_WORLD_SIZE", world_size),
+        local_world_size=number("LOCAL_WORLD_SIZE", 0) or None,
         use_cpu=flag("ACCELERATE_USE_CPU"), use_fsdp=flag("ACCELERATE_USE_FSDP"),
         use_deepspeed=flag("ACCELERATE_USE_DEEPSPEED"),
         mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "no") or "no",
@@ -132,7 +132,9 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         deepspeed_zero3_init=flag("ACCELERATE_DEEPSPEED_ZERO3_INIT"),
         deepspeed_zero3_save_16bit_model=flag("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"),
         gradient_accumulation_steps=env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", ""),
-        hub_offline=flag("HF_HUB_OFFLINE"), hf_token_set=bool(env.get("HF_TOKEN")),
+        # huggingface_hub's rule, not accelerate's: 1/ON/YES/TRUE are offline, anything else online, never an error.
+        hub_offline=env.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"),
+        hf_token_set=bool(env.get("HF_TOKEN")),
     )
     if problems:
         from sft_recipe.config.args import ConfigError

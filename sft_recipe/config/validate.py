@@ -130,7 +130,7 @@ def _fsdp_env_problems(m: ModelArguments, launch: LaunchEnv) -> list[str]:
                         "buffers (\"Cannot access accelerator device\" at the first step). Fix: "
                         "fsdp_offload_params: false (configs/cpu/*.yaml); offload is for GPU runs "
                         "(configs/fsdp_config_qlora.yaml).")
-    if not launch.fsdp_on_cpu and torch_cuda_count() and launch.local_world_size > torch_cuda_count():
+    if not launch.fsdp_on_cpu and torch_cuda_count() and (launch.local_world_size or 1) > torch_cuda_count():
         problems.append(f"num_processes per machine is {launch.local_world_size} but only {torch_cuda_count()} GPUs "
                         "are visible. Fix: --num_processes (or num_processes: in the accelerate config) at most the "
                         "number of GPUs, or check CUDA_VISIBLE_DEVICES.")

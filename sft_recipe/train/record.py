@@ -29,12 +29,13 @@ from transformers import TrainerCallback
 
 from sft_recipe import compat
 from sft_recipe.measure import (
-    _all_ranks_sum,
-    _local_sums,
-    _model_state_mib,
-    _rss_kinds_mib,
+    all_ranks_sum,
+    gather_per_rank,
+    local_sums,
+    model_state_mib,
     peak_memory_gib,
     peak_rss_mib,
+    rss_kinds_mib,
     unsharded_fsdp2_params,
 )
 from sft_recipe.train.flops import flops_model, peak_tflops
@@ -58,12 +59,6 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _gather_per_rank(accelerator, values: list[float]) -> torch.Tensor:
-    """Collective: a (num_processes, len(values)) float64 table of every rank's values."""
-    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
-    return (accelerator.gather(t) if accelerator.num_processes > 1 else t).reshape(-1, len(values))
-
-
 class RunRecord(TrainerCallback):
     """Records the run as it happens. Needs the trainer (its accelerator and wrapped model, which callbacks are not
     given); built after the trainer, before training. `attach` puts it first, so the Trainer's own printing and
@@ -79,7 +74,7 @@ class RunRecord(TrainerCallback):
         # Model loaded, not yet wrapped: this rank's private (anonymous) resident memory and its resident file pages.
         # Weights read from safetensors stay file pages (mmapped, shared by every rank through the page cache) until
         # something copies them into private memory; cpu_ram_efficient_loading is about that private copy.
-        self._rss_after_load_mib = _rss_kinds_mib()
+        self._rss_after_load_mib = rss_kinds_mib()
         # Live weight bytes this rank held after loading (meta tensors hold none): with cpu_ram_efficient_loading
         # only local rank 0 reads weights, the others build on the meta device and receive their shards when wrapped.
         # RSS cannot show it on CPU (glibc keeps freed blocks, mmapped files count per process); this can.
@@ -117,14 +112,15 @@ class RunRecord(TrainerCallback):
         if flat:  # FSDP1 use_orig_params=False: PEFT's wrap policy must keep LoRA and frozen weights in separate units
             self.set("distribution", fsdp1_flat_params={"trainable": sum(p.requires_grad for p in flat),
                                                         "frozen": sum(not p.requires_grad for p in flat)})
-        self.set("weights", checksums_before=_all_ranks_sum(accelerator, _local_sums(wrapped)))
-        loaded = _gather_per_rank(accelerator, [*self._rss_after_load_mib, self._weight_mib_after_load])
-        wrapped_rss = _gather_per_rank(accelerator, [_rss_kinds_mib()[0]])
+        self.set("weights", checksums_before=all_ranks_sum(accelerator, local_sums(wrapped)))
+        # One gather: after loading (anonymous, file-backed, live weights) and after wrapping (anonymous).
+        ranks = gather_per_rank(accelerator, [*self._rss_after_load_mib, self._weight_mib_after_load,
+                                              rss_kinds_mib()[0]])
         self.set("memory",
-                 rss_anon_after_load_mib_per_rank=[round(float(x), 1) for x in loaded[:, 0]],
-                 rss_file_after_load_mib_per_rank=[round(float(x), 1) for x in loaded[:, 1]],
-                 weight_mib_after_load_per_rank=[round(float(x), 2) for x in loaded[:, 2]],
-                 rss_anon_after_wrap_mib_per_rank=[round(float(x), 1) for x in wrapped_rss[:, 0]])
+                 rss_anon_after_load_mib_per_rank=[round(float(x), 1) for x in ranks[:, 0]],
+                 rss_file_after_load_mib_per_rank=[round(float(x), 1) for x in ranks[:, 1]],
+                 weight_mib_after_load_per_rank=[round(float(x), 2) for x in ranks[:, 2]],
+                 rss_anon_after_wrap_mib_per_rank=[round(float(x), 1) for x in ranks[:, 3]])
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         self._start = time.time()
@@ -134,7 +130,7 @@ class RunRecord(TrainerCallback):
         if logs is None or "loss" not in logs:  # eval and end-of-train logs carry no token count
             return
         accelerator = self.trainer.accelerator
-        per_rank = [round(float(x), 3) for x in _gather_per_rank(accelerator, [peak_memory_gib()])[:, 0]]
+        per_rank = [round(float(x), 3) for x in gather_per_rank(accelerator, [peak_memory_gib()])[:, 0]]
         now, tokens = time.time(), float(logs.get("num_tokens", 0.0))
         tokens_per_second = (tokens - self._last_log[1]) / max(now - self._last_log[0], 1e-9)
         self._last_log = (now, tokens)
@@ -155,7 +151,7 @@ class RunRecord(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         accelerator, trainer = self.trainer.accelerator, self.trainer
         compat.restore_bnb_4bit_storage_layout(trainer.model_wrapped)  # CPU evals re-lay out 4-bit bytes
-        after = _all_ranks_sum(accelerator, _local_sums(trainer.model_wrapped))
+        after = all_ranks_sum(accelerator, local_sums(trainer.model_wrapped))
         before = self.record["weights"]["checksums_before"]
         self.set("weights", checksums_after=after, frozen_changed=after[0] != before[0],
                  trainable_changed=after[1] != before[1])
@@ -169,7 +165,7 @@ class RunRecord(TrainerCallback):
             self.set("memory", fsdp2_unsharded_params={
                 "after_evaluation": trainer.reshard_after_evaluation.unsharded_params_seen,
                 "at_train_end": unsharded_fsdp2_params(trainer.model_wrapped)})
-        peaks = _gather_per_rank(accelerator, [peak_rss_mib(), _model_state_mib(trainer.model_wrapped,
+        peaks = gather_per_rank(accelerator, [peak_rss_mib(), model_state_mib(trainer.model_wrapped,
                                                                                 trainer.optimizer)])
         self.set("memory", peak_rss_mib_per_rank=[round(float(x), 1) for x in peaks[:, 0]],
                  model_state_mib_per_rank=[round(float(x), 2) for x in peaks[:, 1]])
@@ -195,7 +191,7 @@ class RunRecord(TrainerCallback):
         run_record.json and loss_curve.png in output_dir, and the summary line in the log."""
         self.set("run", **run)
         self.set("saves", final=final_save, checkpoints=self.trainer.checkpoint_save_costs)
-        peaks = _gather_per_rank(self.trainer.accelerator, [peak_memory_gib()])
+        peaks = gather_per_rank(self.trainer.accelerator, [peak_memory_gib()])
         self.set("memory", peak_memory_gib_per_rank=[round(float(x), 3) for x in peaks[:, 0]],
                  peak_memory_kind="cuda max_memory_allocated" if torch.cuda.is_available() else "process RSS")
         if self.trainer.accelerator.is_main_process:

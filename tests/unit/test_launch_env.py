@@ -29,6 +29,19 @@ def test_booleans_follow_accelerates_rule(raw, expected):
             assert parse_flag_from_env("FSDP_OFFLOAD_PARAMS") is expected
 
 
+def test_hub_offline_is_read_as_huggingface_hub_reads_it():
+    from huggingface_hub.constants import _is_true
+
+    for raw in ("1", "true", "ON", "yes", "t", "y", "2", "", "0"):
+        assert read_launch_env({"HF_HUB_OFFLINE": raw}).hub_offline is _is_true(raw), raw
+
+
+def test_a_machine_without_local_world_size_counts_as_one_machine():
+    launch = read_launch_env({"WORLD_SIZE": "4"})
+    assert launch.local_world_size is None and launch.accelerate_config()["num_machines"] == 1
+    assert read_launch_env({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}).accelerate_config()["num_machines"] == 2
+
+
 def test_a_value_accelerate_would_reject_is_named_with_its_fix():
     with pytest.raises(ConfigError) as e:
         read_launch_env({"ACCELERATE_USE_CPU": "maybe", "WORLD_SIZE": "two"})

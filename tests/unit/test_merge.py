@@ -209,6 +209,9 @@ def test_distributed_launcher_is_refused(lora_adapter, tmp_path, capsys, monkeyp
     monkeypatch.setenv("WORLD_SIZE", "2")
     code, err = _run_cli(capsys, "--adapter_dir", lora_adapter, "--output_dir", tmp_path / "merged")
     assert code == 2 and "WORLD_SIZE=2" in err and "plain command" in err and "python merge_adapter.py" in err
+    monkeypatch.setenv("WORLD_SIZE", "two")  # unreadable: said as the trainer says it, exit 2, no traceback
+    code, err = _run_cli(capsys, "--adapter_dir", lora_adapter, "--output_dir", tmp_path / "merged")
+    assert code == 2 and "WORLD_SIZE='two': not a whole number" in err
     assert not (tmp_path / "merged").exists()
 
 

@@ -57,18 +57,18 @@ def test_a_cpu_evaluation_does_not_change_frozen_4bit_bytes(tiny):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from sft_recipe import compat
-    from sft_recipe.measure import _local_sums
+    from sft_recipe.measure import local_sums
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny.model_dir), quantization_config=BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32))
-    frozen_before = _local_sums(model)
+    frozen_before = local_sums(model)
     model.eval()
     with torch.no_grad():
         model(input_ids=torch.tensor([[3, 4, 5, 6]]))
-    relaid = _local_sums(model) != frozen_before
+    relaid = local_sums(model) != frozen_before
     restored = compat.restore_bnb_4bit_storage_layout(model)
     assert (restored > 0) == relaid, "a re-layout happened exactly when there was something to restore"
     if not restored:
         pytest.skip("this CPU has no AVX512-BF16: bitsandbytes keeps the stored layout (nothing to undo here)")
-    assert _local_sums(model) == frozen_before
+    assert local_sums(model) == frozen_before
     assert compat.restore_bnb_4bit_storage_layout(model) == 0
