@@ -69,6 +69,34 @@ def live_tensor_mib(tensors) -> float:
     return total / 2**20
 
 
+def quant_state_tensors(model) -> list[torch.Tensor]:
+    """The tensors of bitsandbytes' 4-bit quantization state (absmax, code, nested absmax and code, offset): live
+    weight bytes that are attributes of a weight or its module, not parameters or buffers. Every rank keeps them
+    whole (FSDP shards parameters only)."""
+    tensors, seen = [], set()
+
+    def visit(state) -> None:
+        if state is None or id(state) in seen:
+            return
+        seen.add(id(state))
+        for value in vars(state).values():
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+            elif type(value).__name__ == "QuantState":  # double quantization: the absmax's own state
+                visit(value)
+
+    for module in model.modules():
+        visit(getattr(module, "quant_state", None))
+        visit(getattr(getattr(module, "weight", None), "quant_state", None))
+    return tensors
+
+
+def weight_mib(model) -> float:
+    """Live weight bytes this rank holds: its parameter shards, buffers and 4-bit quantization state."""
+    shards = [_shard_of(p) for p in model.parameters()]
+    return live_tensor_mib([*shards, *model.buffers(), *quant_state_tensors(model)])
+
+
 def unsharded_fsdp2_params(model) -> int:
     """Parameters of an FSDP2 model that are not DTensor shards right now (0 when every unit is sharded)."""
     return sum(type(p).__name__ != "DTensor" for p in model.parameters())
@@ -160,6 +188,11 @@ def save_cost(accelerator, watch: RssWatch, **extra) -> dict:
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def gpu_peak_gib() -> float | None:
+    """torch's peak allocated GPU memory since process start (or the last reset), None without a GPU."""
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
 def peak_memory_gib() -> float:

@@ -34,6 +34,7 @@ from sft_recipe.compat.peft_names import (
     trainable_tokens_lm_head_bias,
 )
 from sft_recipe.compat.process import exit_skipping_teardown, restore_bnb_4bit_storage_layout
+from sft_recipe.compat.quantized_load import quantized_base_device_map
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround("restore_bnb_4bit_storage_layout", "bitsandbytes", ">=0.49", "0.50.2",
                "tests/unit/test_record.py::test_a_cpu_evaluation_does_not_change_frozen_4bit_bytes passes without "
                "it"),
+    Workaround("quantized_base_device_map", "transformers", ">=5.0", "5.24.0",
+               "tests/unit/test_quantized_load.py::test_transformers_still_loads_a_quantized_base_onto_the_gpu "
+               "fails (the quantizer no longer maps a 4-bit base onto each rank's GPU under FSDP)"),
 )
 
 # Not workarounds themselves: what they are built from, also used by gather.py.
@@ -154,6 +158,7 @@ def installed() -> bool:
 __all__ = [
     "TRAINER_OVERRIDES", "WORKAROUNDS", "enable_fsdp_on_cpu", "exit_skipping_teardown", "gather_full_state_dict",
     "init_optimizer_state_before_fsdp1_load", "install", "installed", "module_names_without_fsdp_segments",
+    "quantized_base_device_map",
     "restore_bnb_4bit_storage_layout", "strip_wrapper_segments", "trainable_tokens_lm_head_bias",
     "trainer_override_drift",
 ]

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
+import os
+import time
 from dataclasses import dataclass
 
 import torch
 
+from sft_recipe.compat import quantized_base_device_map
 from sft_recipe.config.args import ModelArguments
+from sft_recipe.measure import live_tensor_mib, quant_state_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -133,16 +138,60 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, launch):
     from sft_recipe.train.gptq import loading_kwargs
 
     quantization = bnb_config(model_args)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_args.model_name_or_path,
-        **({"quantization_config": quantization} if quantization is not None else
-           loading_kwargs(model_args, training_args.trust_remote_code)),
-        dtype=model_dtype(model_args),
-        attn_implementation=attn_implementation(model_args),
-        trust_remote_code=training_args.trust_remote_code,
-    )
+    # A quantized base under FSDP loads onto the CPU, not whole onto each GPU (compat.quantized_base_device_map).
+    device_map = quantized_base_device_map(model_args, launch) if quantization is not None else None
+    started = time.perf_counter()
+    with cpu_quantization_threads(launch, enabled=device_map is not None) as threads:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_args.model_name_or_path,
+            **({"quantization_config": quantization} if quantization is not None else
+               loading_kwargs(model_args, training_args.trust_remote_code)),
+            **({"device_map": device_map} if device_map is not None else {}),
+            dtype=model_dtype(model_args),
+            attn_implementation=attn_implementation(model_args),
+            trust_remote_code=training_args.trust_remote_code,
+        )
+    if device_map is not None and launch.is_main_process:
+        logger.info(quantized_load_note(model, launch, time.perf_counter() - started, threads))
     fit_embeddings_to_tokenizer(model, tokenizer)
     return model
+
+
+def quantization_threads(launch, available_cpus: int, current_threads: int) -> int:
+    """Threads for bitsandbytes' CPU quantization on this rank: the machine's CPUs shared between its ranks, never
+    fewer than torch already uses. `torchrun` (under `accelerate launch`) sets OMP_NUM_THREADS=1, which would make a
+    70B base take about half an hour per rank (~35 M weights/s per thread, measured with bitsandbytes 0.50.2)."""
+    ranks_here = launch.local_world_size or launch.world_size or 1
+    return max(current_threads, available_cpus // max(1, ranks_here), 1)
+
+
+@contextlib.contextmanager
+def cpu_quantization_threads(launch, enabled: bool = True):
+    """While a quantized base loads on the CPU: torch's intra-op threads (bitsandbytes quantizes with torch ops)
+    raised to this rank's share of the machine, then put back. Yields the thread count used."""
+    before = torch.get_num_threads()
+    if not enabled:
+        yield before
+        return
+    threads = quantization_threads(launch, len(os.sched_getaffinity(0)), before)
+    torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)
+
+
+def quantized_load_note(model, launch, seconds: float, threads: int) -> str:
+    """What loading a quantized base for FSDP cost, said once: where it is, host RAM per rank, quantization time."""
+    tensors = [*model.parameters(), *model.buffers(), *quant_state_tensors(model)]
+    mib = live_tensor_mib(tensors)
+    ranks = launch.local_world_size or launch.world_size
+    return (f"quantized base loaded on the CPU for FSDP in {seconds:.1f} s ({threads} thread"
+            f"{'s' if threads > 1 else ''}): {mib:,.1f} MiB on this rank. Each of the {ranks} ranks on this machine "
+            f"holds its own copy ({ranks * mib / 1024:,.2f} GiB of host RAM) until FSDP shards it: every rank "
+            "computes its quantization state from the weights, and accelerate broadcasts neither 4-bit weights "
+            "(FSDP2) nor quantization state (FSDP1) from rank 0. FSDP then moves the base to the training device "
+            "one wrapped unit at a time, so no GPU holds all of it.")
 
 
 def weights_arrive_from_rank0(model_args: ModelArguments, launch, trust_remote_code: bool = False) -> bool:

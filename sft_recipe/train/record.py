@@ -31,12 +31,14 @@ from sft_recipe import compat
 from sft_recipe.measure import (
     all_ranks_sum,
     gather_per_rank,
+    gpu_peak_gib,
     local_sums,
     model_state_mib,
     peak_memory_gib,
     peak_rss_mib,
     rss_kinds_mib,
     unsharded_fsdp2_params,
+    weight_mib,
 )
 from sft_recipe.train.flops import flops_model, peak_tflops
 
@@ -53,7 +55,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                    "flops_per_token", "per_log"),
     "memory": ("peak_memory_gib_per_rank", "peak_memory_kind", "peak_rss_mib_per_rank", "peak_gpu_memory_gib",
                "model_state_mib_per_rank", "rss_anon_after_load_mib_per_rank", "rss_file_after_load_mib_per_rank",
-               "weight_mib_after_load_per_rank", "rss_anon_after_wrap_mib_per_rank", "fsdp2_unsharded_params"),
+               "weight_mib_after_load_per_rank", "rss_anon_after_wrap_mib_per_rank", "weight_mib_after_wrap_per_rank",
+               "gpu_peak_gib_after_load_per_rank", "gpu_peak_gib_after_wrap_per_rank", "fsdp2_unsharded_params"),
     "weights": ("trainable_params", "checksums_before", "checksums_after", "frozen_changed", "trainable_changed"),
     "saves": ("final", "checkpoints"),
 }
@@ -79,6 +82,7 @@ class RunRecord(TrainerCallback):
         # only local rank 0 reads weights, the others build on the meta device and receive their shards when wrapped.
         # RSS cannot show it on CPU (glibc keeps freed blocks, mmapped files count per process); this can.
         self._weight_mib_after_load = trainer.weight_mib_after_load  # measured before meta placeholders were made
+        self._gpu_peak_gib_after_load = trainer.gpu_peak_gib_after_load
         self._start = time.time()
         self._last_log: tuple[float, float] = (self._start, 0.0)  # (time, cumulative tokens)
 
@@ -113,14 +117,21 @@ class RunRecord(TrainerCallback):
             self.set("distribution", fsdp1_flat_params={"trainable": sum(p.requires_grad for p in flat),
                                                         "frozen": sum(not p.requires_grad for p in flat)})
         self.set("weights", checksums_before=all_ranks_sum(accelerator, local_sums(wrapped)))
-        # One gather: after loading (anonymous, file-backed, live weights) and after wrapping (anonymous).
+        # One gather: after loading (anonymous, file-backed, live weights, GPU peak since start) and after wrapping
+        # (anonymous, live weights: this rank's shards + 4-bit constants, GPU peak since start). -1: no GPU.
+        gpu_wrap = gpu_peak_gib()
         ranks = gather_per_rank(accelerator, [*self._rss_after_load_mib, self._weight_mib_after_load,
-                                              rss_kinds_mib()[0]])
+                                              rss_kinds_mib()[0], weight_mib(wrapped),
+                                              -1.0 if self._gpu_peak_gib_after_load is None else
+                                              self._gpu_peak_gib_after_load, -1.0 if gpu_wrap is None else gpu_wrap])
         self.set("memory",
                  rss_anon_after_load_mib_per_rank=[round(float(x), 1) for x in ranks[:, 0]],
                  rss_file_after_load_mib_per_rank=[round(float(x), 1) for x in ranks[:, 1]],
                  weight_mib_after_load_per_rank=[round(float(x), 2) for x in ranks[:, 2]],
-                 rss_anon_after_wrap_mib_per_rank=[round(float(x), 1) for x in ranks[:, 3]])
+                 rss_anon_after_wrap_mib_per_rank=[round(float(x), 1) for x in ranks[:, 3]],
+                 weight_mib_after_wrap_per_rank=[round(float(x), 2) for x in ranks[:, 4]],
+                 gpu_peak_gib_after_load_per_rank=_gpu_values(ranks[:, 5]),
+                 gpu_peak_gib_after_wrap_per_rank=_gpu_values(ranks[:, 6]))
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         self._start = time.time()
@@ -203,6 +214,12 @@ class RunRecord(TrainerCallback):
             plot_losses(self.record, os.path.join(output_dir, LOSS_CURVE))
             print(summary_line(self.record), flush=True)
         return self.record
+
+
+def _gpu_values(column) -> list[float] | None:
+    """A gathered GPU column: None where no rank had a GPU (-1 marks it)."""
+    values = [float(x) for x in column]
+    return None if all(v < 0 for v in values) else [round(v, 3) for v in values]
 
 
 def summary_line(record: dict) -> str:

@@ -34,7 +34,7 @@ from sft_recipe.artifacts.state_io import (
     save_scheduler,
     unsafe_dcp_metadata,
 )
-from sft_recipe.measure import RssWatch, live_tensor_mib, save_cost, unsharded_fsdp2_params
+from sft_recipe.measure import RssWatch, gpu_peak_gib, save_cost, unsharded_fsdp2_params, weight_mib
 from sft_recipe.train.model import materialize_meta_parameters
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,9 @@ class RecipeSFTTrainer(SFTTrainer):
         self.adapter_keys = adapter_state_keys(self.model)
         # Weights this rank read while loading (0 where cpu_ram_efficient_loading built it on meta: they arrive from
         # rank 0 when FSDP wraps the model), measured before the placeholders below exist.
-        self.weight_mib_after_load = live_tensor_mib([*self.model.parameters(), *self.model.buffers()])
+        self.weight_mib_after_load = weight_mib(self.model)
+        # GPU memory from process start until now (load, LoRA layers), before FSDP wraps anything; None on CPU.
+        self.gpu_peak_gib_after_load = gpu_peak_gib()
         materialize_meta_parameters(self.model)
         self.checkpoint_save_costs: list[dict] = []  # per checkpoint: seconds, added RSS per rank (run record)
         self.reshard_after_evaluation = ReshardAfterEvaluation()

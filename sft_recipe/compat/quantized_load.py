@@ -1,0 +1,34 @@
+"""transformers 5.x: a bitsandbytes-quantized base is loaded whole onto every rank's GPU, before FSDP can shard it."""
+
+from __future__ import annotations
+
+# Where a quantized base is loaded under FSDP: host RAM, quantized there by bitsandbytes' CPU backend.
+CPU_DEVICE_MAP = {"": "cpu"}
+
+
+def quantized_base_device_map(model_args, launch) -> dict[str, str] | None:
+    """The `device_map` the recipe passes to `from_pretrained` for a bitsandbytes-quantized base, or None to leave
+    the placement to transformers.
+
+    Bug (transformers 5.0-5.24 at least; 4.39-4.4x had the placement, PRs #29587/#32276/#33154): with a 4-bit or
+    8-bit `BitsAndBytesConfig` and no `device_map`, `Bnb4BitHfQuantizer.update_device_map(None)` returns
+    `{"": torch.cuda.current_device()}`; `caching_allocator_warmup` then reserves the whole quantized size on that
+    GPU, and `core_model_loading` materializes and quantizes every weight there. `core_model_loading` has no FSDP
+    branch, so under FSDP every rank holds the *whole* 4-bit base on its GPU before wrapping (Llama-2-70B: ~36 GiB,
+    on the guide's 24 GB cards). Open upstream: transformers #43032, #43749.
+    Fix here: under FSDP (1 or 2), load onto the CPU. Nothing is warmed up on a GPU (the warm-up skips CPU maps),
+    bitsandbytes quantizes each weight on the CPU (bit-identical on every rank), and a single-device map sets no
+    `hf_device_map`, so accelerate's "loaded on a different device" check does not apply; FSDP then moves each
+    wrapped unit to the GPU as it shards it (FSDP1 `_move_module_to_device`, FSDP2 `fully_shard`), and
+    `Params4bit.to` moves the quantization state with the packed bytes without quantizing again. Cost: CPU
+    quantization time (planned: `sft_recipe.plan`), and one 4-bit copy per rank in host RAM until it is sharded.
+    One process and DDP keep the quantizer's map (this rank's GPU): there the whole model trains on each GPU anyway.
+    When it can go: `tests/unit/test_quantized_load.py::test_transformers_still_loads_a_quantized_base_onto_the_gpu`
+    fails (the quantizer no longer maps a quantized base onto the GPU under FSDP).
+    """
+    if not (model_args.use_4bit_quantization or model_args.use_8bit_quantization):
+        return None
+    if not launch.use_fsdp:
+        return None
+    return dict(CPU_DEVICE_MAP)
+

@@ -1,0 +1,180 @@
+"""Where a quantized base is put while loading (compat.quantized_base_device_map), decided without a GPU.
+
+transformers 5.24 maps a bitsandbytes-quantized base whole onto each rank's GPU (and warms the allocator up to its
+size there) unless told otherwise; under FSDP the recipe tells it the CPU, and FSDP moves the packed weights to the
+GPU one unit at a time. A CPU cannot show CUDA placement, so these tests pin the decision and what transformers would
+do without it (with CUDA simulated); bench/gpu_check.sh measures the GPU memory it leads to.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from sft_recipe.compat import quantized_base_device_map
+from sft_recipe.compat.quantized_load import CPU_DEVICE_MAP
+from sft_recipe.config.args import ModelArguments
+from sft_recipe.config.launch_env import LaunchEnv
+from sft_recipe.train import model as model_module
+from sft_recipe.train.model import bnb_config, quantization_threads
+
+FSDP1 = LaunchEnv(rank=1, local_rank=1, world_size=2, use_fsdp=True, fsdp_version=1,
+                  fsdp_cpu_ram_efficient_loading=True, fsdp_sync_module_states=True)
+FSDP2 = LaunchEnv(rank=1, local_rank=1, world_size=2, use_fsdp=True, fsdp_version=2,
+                  fsdp_cpu_ram_efficient_loading=True)
+DDP = LaunchEnv(rank=1, local_rank=1, world_size=2)
+ONE_PROCESS = LaunchEnv()
+
+
+def qlora_args(path: str = "unused", **overrides) -> ModelArguments:
+    values = dict(model_name_or_path=path, use_peft_lora=True, use_4bit_quantization=True, use_nested_quant=True,
+                  bnb_4bit_quant_storage_dtype="bfloat16", bnb_4bit_compute_dtype="float32")
+    return ModelArguments(**{**values, **overrides})
+
+
+@pytest.mark.parametrize("launch", [FSDP1, FSDP2], ids=["fsdp1", "fsdp2"])
+def test_fsdp_loads_a_quantized_base_on_the_cpu(launch):
+    assert quantized_base_device_map(qlora_args(), launch) == {"": "cpu"}
+    # Every rank decides the same, whatever its rank, so every rank quantizes the same bytes.
+    assert quantized_base_device_map(qlora_args(), LaunchEnv(**{**vars(launch), "rank": 0, "local_rank": 0})) == \
+        {"": "cpu"}
+
+
+@pytest.mark.parametrize("launch", [DDP, ONE_PROCESS], ids=["ddp", "one-process"])
+def test_one_process_and_ddp_keep_the_quantizers_placement(launch):
+    """There the whole model trains on each GPU: the quantizer's own map (this rank's GPU) is the right one."""
+    assert quantized_base_device_map(qlora_args(), launch) is None
+
+
+def test_an_unquantized_base_gets_no_device_map():
+    assert quantized_base_device_map(ModelArguments(model_name_or_path="x", use_peft_lora=True), FSDP1) is None
+
+
+def _simulate_cuda(monkeypatch, device_index: int = 3) -> list:
+    """torch says a GPU with 139 GiB free is there (current device `device_index`); allocations on it are recorded
+    (bytes) instead of made. Returns the record."""
+    import bitsandbytes  # noqa: F401  imported for the real machine: it picks its backends by CUDA availability
+
+    allocated = []
+    real_empty = torch.empty
+
+    def empty(*size, device=None, dtype=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            shape = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size
+            allocated.append(int(torch.tensor(shape).prod()) * real_empty((), dtype=dtype).element_size())
+            return real_empty(0, dtype=dtype)
+        return real_empty(*size, device=device, dtype=dtype, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device_index)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (139 * 2**30, 139 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda index=None: 0)
+    monkeypatch.setattr(torch, "empty", empty)
+    return allocated
+
+
+def test_transformers_still_loads_a_quantized_base_onto_the_gpu(monkeypatch, quantized_tiny, tiny):
+    """What transformers 5.24 does without the recipe's map, with CUDA simulated: the quantizer maps the whole base
+    to this rank's GPU and the loader warms that GPU's allocator up to the quantized size. When this fails, the
+    library places quantized bases itself again and compat.quantized_base_device_map can go."""
+    from transformers.modeling_utils import caching_allocator_warmup, expand_device_map
+    from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+
+    from sft_recipe.train.model import meta_model
+
+    quantized_bytes = sum(p.numel() * p.element_size() for p in quantized_tiny.parameters())
+    quantizer = Bnb4BitHfQuantizer(bnb_config(qlora_args()))
+    allocated = _simulate_cuda(monkeypatch)
+    assert quantizer.update_device_map(None) == {"": 3}  # the whole base on GPU 3
+    assert quantizer.update_device_map(dict(CPU_DEVICE_MAP)) == CPU_DEVICE_MAP  # an explicit map is kept
+
+    model = meta_model(str(tiny.model_dir))
+    keys = list(model.state_dict())
+    gpu_map = {"": "cuda:3"}  # the quantizer's map as a device name (a CPU build of torch cannot parse a bare index)
+    caching_allocator_warmup(model, expand_device_map(gpu_map, keys), quantizer)
+    assert len(allocated) == 1 and allocated[0] >= 0.9 * quantized_bytes  # the whole quantized base, at once
+    caching_allocator_warmup(model, expand_device_map(dict(CPU_DEVICE_MAP), keys), quantizer)  # ours: nothing
+    assert len(allocated) == 1
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("launch,expected", [(FSDP1, {"": "cpu"}), (FSDP2, {"": "cpu"}), (DDP, None)],
+                         ids=["fsdp1", "fsdp2", "ddp"])
+def test_load_model_asks_from_pretrained_for_the_decided_placement(monkeypatch, tiny, launch, expected):
+    """What `from_pretrained` is asked to do for a CUDA launch (simulated): the CPU under FSDP, with this rank's
+    share of the machine's CPUs for quantizing; the quantizer's default (no device_map) under DDP."""
+    from transformers import AutoModelForCausalLM
+
+    _simulate_cuda(monkeypatch)
+    seen = {}
+
+    def from_pretrained(*args, **kwargs):
+        seen.update(kwargs, threads=torch.get_num_threads())
+        raise _Stop
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(model_module.os, "sched_getaffinity", lambda pid: set(range(16)))
+    training_args = type("T", (), {"trust_remote_code": False})()
+    before = torch.get_num_threads()
+    with pytest.raises(_Stop):
+        model_module.load_model(qlora_args(str(tiny.model_dir)), training_args, None, launch)
+    assert seen.get("device_map") == expected
+    assert seen["quantization_config"].load_in_4bit
+    assert seen["threads"] == (max(before, 8) if expected else before)  # 16 CPUs / 2 ranks on the machine
+    assert torch.get_num_threads() == before  # put back, even when loading fails
+
+
+def test_quantization_threads_share_the_machine_between_its_ranks():
+    assert quantization_threads(LaunchEnv(world_size=8, local_world_size=8), 64, 1) == 8
+    assert quantization_threads(LaunchEnv(world_size=16, local_world_size=8), 64, 1) == 8  # per machine
+    assert quantization_threads(LaunchEnv(world_size=2), 2, 1) == 1  # CI: 2 CPUs, 2 ranks
+    assert quantization_threads(LaunchEnv(), 16, 24) == 24  # never fewer than torch already uses
+
+
+@pytest.fixture(scope="module")
+def quantized_tiny(tiny):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny.model_dir), quantization_config=bnb_config(qlora_args()),
+                                                dtype=torch.bfloat16, device_map=dict(CPU_DEVICE_MAP))
+
+
+def _weight(model):
+    return model.model.layers[0].self_attn.q_proj.weight
+
+
+def test_moving_a_quantized_weight_keeps_its_state_and_never_quantizes_again(monkeypatch, quantized_tiny):
+    """FSDP moves each unit's parameters with `p.to(device)` (FSDP1 `_move_states_to_device`, FSDP2 `fully_shard`);
+    for a loaded Params4bit that must carry the quantization state along (bitsandbytes moves it in place) and leave
+    the packed bytes as they are."""
+    import bitsandbytes.functional as bnb_functional
+    from bitsandbytes.nn import Params4bit
+
+    weight = copy.deepcopy(_weight(quantized_tiny))
+    packed, absmax = weight.data.clone(), weight.quant_state.absmax.clone()
+    calls = []
+    monkeypatch.setattr(bnb_functional, "quantize_4bit", lambda *a, **k: calls.append(1) or (_ for _ in ()).throw(
+        AssertionError("quantized again")))
+
+    same_device = weight.to("cpu")
+    assert isinstance(same_device, Params4bit) and same_device.quant_state is weight.quant_state
+    assert torch.equal(same_device.data.view(torch.uint8), packed.view(torch.uint8))
+    state = weight.quant_state
+    moved = weight.to("meta")  # another device (the only other one a CPU has): FSDP keeps what `.to` returns
+    assert isinstance(moved, Params4bit) and moved.bnb_quantized
+    assert moved.quant_state is state and state.absmax.device.type == "meta"
+    assert state.state2.absmax.device.type == "meta"  # double quantization: the nested state moves too
+    assert moved.shape == packed.shape and not calls
+    assert torch.equal(_weight(quantized_tiny).quant_state.absmax, absmax)  # the model's own copy untouched
+
+    # Negative control: an unquantized Params4bit does quantize when moved, so the patch above would have seen it.
+    raw = Params4bit(torch.randn(64, 64, dtype=torch.bfloat16), requires_grad=False, quant_type="nf4",
+                     quant_storage=torch.bfloat16)
+    with pytest.raises(AssertionError, match="quantized again"):
+        raw.to("cpu")
