@@ -7,7 +7,13 @@ import json
 import sys
 
 from sft_recipe.config.args import ConfigError
-from sft_recipe.plan.gpu import DEFAULT_ALLOCATOR_RESERVE, DEFAULT_CUDA_CONTEXT_GIB, DEFAULT_HOST_RUNTIME_GIB
+from sft_recipe.plan.gpu import (
+    DEFAULT_ALLOCATOR_RESERVE,
+    DEFAULT_CUDA_CONTEXT_GIB,
+    DEFAULT_HOST_RUNTIME_GIB,
+    DEFAULT_QUANTIZE_THREADS_PER_RANK,
+    LOAD_PATHS,
+)
 from sft_recipe.plan.guide import render_guide_comparison
 from sft_recipe.plan.inputs import parse_train_flags, read_accelerate_config
 from sft_recipe.plan.planner import plan_memory
@@ -29,6 +35,11 @@ def build_cli() -> argparse.ArgumentParser:
     p.add_argument("--cuda_context_gib", type=float, default=DEFAULT_CUDA_CONTEXT_GIB)
     p.add_argument("--allocator_reserve", type=float, default=DEFAULT_ALLOCATOR_RESERVE)
     p.add_argument("--host_runtime_gib", type=float, default=DEFAULT_HOST_RUNTIME_GIB)
+    p.add_argument("--load_path", default="recipe", choices=LOAD_PATHS,
+                   help="where a quantized base loads: 'recipe' (the CPU under FSDP, then FSDP moves it unit by unit) "
+                        "or 'upstream' (transformers 5.x's default, as upstream's train.py: whole onto every GPU)")
+    p.add_argument("--quantize_threads_per_rank", type=int, default=DEFAULT_QUANTIZE_THREADS_PER_RANK,
+                   help="CPU threads each rank quantizes with while loading (train.py gives each rank its share)")
     p.add_argument("--use_dora", action="store_true", help="plan DoRA instead of LoRA (adds a magnitude vector)")
     p.add_argument("--json", action="store_true", help="print MemoryPlan.to_dict() as JSON")
     return p
@@ -54,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_memory(model_args, data_args, training_args, config, ours.num_processes,
                            ours.gpu_memory_gib, ours.device, cuda_context_gib=ours.cuda_context_gib,
                            allocator_reserve=ours.allocator_reserve, host_runtime_gib=ours.host_runtime_gib,
-                           dora=ours.use_dora)
+                           dora=ours.use_dora, load_path=ours.load_path,
+                           quantize_threads_per_rank=ours.quantize_threads_per_rank)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -18,6 +18,11 @@ from sft_recipe.plan.shape import ModelShape
 DEFAULT_CUDA_CONTEXT_GIB = 1.0   # CUDA context + cuBLAS workspaces + NCCL buffers, per process
 DEFAULT_ALLOCATOR_RESERVE = 0.10  # caching allocator: reserved beyond allocated, as a fraction of the transient part
 DEFAULT_HOST_RUNTIME_GIB = 3.0   # host RSS of one CUDA PyTorch process (libraries, kernels, Python)
+# bitsandbytes 0.50.2 quantizing bf16 weights to NF4 + double quant on the CPU: 33-40 M weights/s per thread,
+# measured on this project's 2-core Zen3 EPYC (4096 x 4096 weights; 2 threads: 1.8x). Scales with threads.
+QUANTIZE_WEIGHTS_PER_S_PER_THREAD = 35e6
+DEFAULT_QUANTIZE_THREADS_PER_RANK = 8  # a GPU machine's CPUs shared by its ranks (what train.py gives each rank)
+LOAD_PATHS = ("recipe", "upstream")
 
 UPSTREAM_SAVE_ROW = "upstream's final save (rank 0)"
 
@@ -29,7 +34,7 @@ def estimate_gpu(shape: ModelShape, w: Workload, d: Distribution,
     train step = base weights/G (0 when offloaded) + replicated 4-bit constants + (trainable + gradients +
                  optimizer)/G (0 when offloaded) + activations + all-gather buffers
                  + allocator_reserve x (activations + buffers) + cuda_context_gib
-    load+wrap  = weights/G + one decoder layer moved whole (load dtype) + cuda_context_gib
+    load, wrap = see load_phases
     """
     G = d.shard_group
     shardable, replicated, wformula = base_weight_bytes(shape, w)
@@ -57,12 +62,52 @@ def estimate_gpu(shape: ModelShape, w: Workload, d: Distribution,
     rows.append(Row("framework overhead", knobs["cuda_context_gib"] * GIB,
                     "CUDA context, cuBLAS, NCCL (--cuda_context_gib)"))
     step = sum(r.bytes for r in rows)
-    # Wrapping: each rank's shard plus one layer moved to the GPU whole (in the load dtype) before it is sharded.
-    wrap = (on_gpu * shardable / sharded + replicated + shape.layer_params * w.load_bytes
-            + knobs["cuda_context_gib"] * GIB)
-    phases = {"train step": step, "load+wrap": wrap}
+    load, wrap = load_phases(shape, w, d, knobs)
+    phases = {"load": load, "wrap": wrap, "train step": step}
     host_rows, host_peak = host_ram_rows(shape, w, d, knobs)
     return rows, phases, host_rows, host_peak
+
+
+def layer_bytes_as_loaded(shape: ModelShape, w: Workload) -> float:
+    """One decoder layer as loaded: U x b, or with 4-bit weights its packed linears (layer Q/2) + the rest x b."""
+    if w.quant == "4bit":
+        layer_q = sum(lin.in_features * lin.out_features for lin in shape.layer_linears)
+        return layer_q / 2 + (shape.layer_params - layer_q) * w.load_bytes
+    return shape.layer_params * w.load_bytes
+
+
+def load_phases(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) -> tuple[float, float]:
+    """GPU memory of one rank (load, wrap): at the end of `from_pretrained`, and through wrapping.
+
+    load = cuda_context_gib + the weights from_pretrained puts on the GPU:
+           0 without quantization (loaded on the CPU; FSDP or the Trainer moves them);
+           with bitsandbytes, the whole quantized base (weights + constants) where transformers 5.x maps it to this
+           rank's GPU: one process and DDP (where it trains whole anyway), and under FSDP on upstream's path
+           (load_path "upstream": no device_map, and the allocator warmed up to the same size first);
+           0 under FSDP on the recipe's path (compat.quantized_base_device_map loads it on the CPU).
+    wrap = cuda_context_gib + weights/G (0 when offloaded) + replicated 4-bit constants + one decoder layer moved
+           whole before it is sharded (U x b, packed when 4-bit); on upstream's FSDP path the whole base is already
+           there: + weights x (1 - 1/G) until each unit is sharded.
+    """
+    ctx = knobs["cuda_context_gib"] * GIB
+    shardable, replicated, _ = base_weight_bytes(shape, w)
+    whole = shardable + replicated
+    quantized_on_gpu = w.quant is not None and (d.kind != "fsdp" or knobs.get("load_path") == "upstream")
+    load = ctx + (whole if quantized_on_gpu else 0.0)
+    on_gpu = 0.0 if d.offload else 1.0
+    sharded = d.shard_group if d.kind == "fsdp" else 1
+    wrap = ctx + on_gpu * shardable / sharded + replicated + layer_bytes_as_loaded(shape, w)
+    if quantized_on_gpu and d.kind == "fsdp":
+        wrap = max(wrap, load + layer_bytes_as_loaded(shape, w))
+    return load, wrap
+
+
+def quantization_seconds(shape: ModelShape, w: Workload, threads: int = DEFAULT_QUANTIZE_THREADS_PER_RANK) -> float:
+    """CPU time for one rank to quantize the base when it loads on the CPU (the recipe's FSDP path): Q weights at
+    QUANTIZE_WEIGHTS_PER_S_PER_THREAD x threads. Every rank quantizes the whole base, in parallel."""
+    if w.quant is None:
+        return 0.0
+    return shape.quantizable_params / (QUANTIZE_WEIGHTS_PER_S_PER_THREAD * max(1, threads))
 
 
 def host_ram_rows(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) -> tuple[list[Row], float]:
@@ -70,7 +115,9 @@ def host_ram_rows(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) 
 
     host = runtime (n x host_runtime_gib) + max(loading, offloaded + final save), where
            loading     = one copy of the loaded weights on local rank 0 and none on the others
-                         (cpu_ram_efficient_loading, not quantized), else one copy per rank,
+                         (cpu_ram_efficient_loading, not quantized); a quantized base under FSDP on the recipe's
+                         path: one copy per rank (each quantizes its own on the CPU); a quantized base placed on
+                         the GPU by transformers (one process, DDP, upstream's FSDP path): none; else one per rank,
            offloaded   = (weights + trainable + gradients + optimizer) x n/G,
            final save  = 2 x the adapter's bytes on rank 0 (gathered, then written): sft_recipe/artifacts/gather.py
                          gathers only what the adapter holds. Upstream's FULL_STATE_DICT save gathers every
@@ -84,13 +131,16 @@ def host_ram_rows(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) 
     full_loaded = shardable + replicated
     host = [Row("runtime", n * knobs["host_runtime_gib"] * GIB, f"{n} processes x {knobs['host_runtime_gib']:g} GiB "
                 "(CUDA libraries, Python; --host_runtime_gib)", "host")]
-    if d.kind == "fsdp" and d.cpu_ram_efficient_loading and not w.quant:
+    if w.quant and (d.kind != "fsdp" or knobs.get("load_path") == "upstream"):
+        load = 0.0
+        lformula = "none: each weight is quantized on this rank's GPU as it is read (file pages only)"
+    elif w.quant:
+        load = n * full_loaded
+        lformula = (f"{n} cop{'y' if n == 1 else 'ies'} of the quantized base: every rank quantizes its own on the "
+                    "CPU (accelerate broadcasts neither 4-bit weights nor quantization state from rank 0)")
+    elif d.kind == "fsdp" and d.cpu_ram_efficient_loading:
         load = full_loaded
         lformula = "one copy of the weights as loaded, on local rank 0; 0 on the others (cpu_ram_efficient_loading)"
-    elif d.kind == "fsdp" and d.cpu_ram_efficient_loading:
-        load = n * full_loaded
-        lformula = (f"{n} cop{'y' if n == 1 else 'ies'} of the 4-bit weights: every rank quantizes its own (accelerate "
-                    "broadcasts no Params4bit from rank 0)")
     else:
         load = n * full_loaded
         lformula = f"{n} cop{'y' if n == 1 else 'ies'} of the weights as loaded (one per process)"

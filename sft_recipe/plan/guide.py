@@ -92,16 +92,36 @@ def recipe_flags(recipe: dict[str, Any]) -> list[str]:
     return [token for key, value in recipe.items() for token in (f"--{key}", str(value))]
 
 
-def guide_plans() -> dict[str, MemoryPlan]:
+def guide_plans(load_path: str = "recipe") -> dict[str, MemoryPlan]:
     """The guide's two runs (QLoRA with and without offload) planned offline from GUIDE_RUNS (the recipes name
-    meta-llama/Llama-2-70b-hf, whose architecture ships in sft_recipe/plan/models/llama-2-70b)."""
+    meta-llama/Llama-2-70b-hf, whose architecture ships in sft_recipe/plan/models/llama-2-70b). `load_path`
+    "upstream": the quantized base loaded where transformers 5.x puts it without the recipe's placement."""
     plans = {}
     for key, run in GUIDE_RUNS.items():
         model_args, data_args, _, training_args = parse_train_flags(recipe_flags(run.recipe), "cuda")
         cfg = read_accelerate_config(run.accelerate_config)
         plans[key] = plan_memory(model_args, data_args, training_args, cfg, None, run.gpu_memory_gib, "cuda",
-                                 ladder=False)
+                                 ladder=False, load_path=load_path)
     return plans
+
+
+def render_load_comparison(plans: dict[str, MemoryPlan], upstream: dict[str, MemoryPlan]) -> list[str]:
+    """The QLoRA runs' load phase, the recipe's path beside upstream's on transformers 5.x: GPU per rank at the end
+    of from_pretrained and through wrapping, the largest phase and the verdict it gives."""
+    lines = ["  loading the 4-bit base on transformers 5.x (GiB per GPU: after from_pretrained / through wrapping; "
+             "the verdict names the first phase that does not fit):"]
+    for key in (k for k in plans if GUIDE_RUNS[k].recipe.get("use_4bit_quantization")):
+        for path, plan in (("recipe", plans[key]), ("upstream", upstream[key])):
+            verdict = "fits" if plan.fits else f"does not fit at {plan.fails_at or plan.largest_phase}"
+            lines.append(f"    {key:<20}{path:<10}{plan.phases['load'] / GIB:>6.1f} / {plan.phases['wrap'] / GIB:<6.1f}"
+                         f"  largest: {plan.largest_phase} {plan.peak_gib:.1f}  -> {verdict} in "
+                         f"{plan.budget_gib:g} GiB")
+    plan = plans["qlora-2x24-offload"]
+    loading = {r.name: r.bytes for r in plan.host_rows}["loading"]
+    lines.append(f"    recipe: the base loads on the CPU, quantized by every rank ({loading / GIB:.0f} GiB of host RAM "
+                 f"per machine at load, ~{plan.quantization_seconds / 60:.1f} min of CPU quantization per rank); "
+                 "upstream: transformers 5.x quantizes it onto every GPU whole, before FSDP can shard it")
+    return lines
 
 
 def legacy_logits_bytes(run: GuideRun) -> float:
@@ -113,8 +133,10 @@ def legacy_logits_bytes(run: GuideRun) -> float:
     return tokens * vocab * (2 + 4 + 4)
 
 
-def render_guide_comparison(plans: dict[str, MemoryPlan] | None = None) -> str:
+def render_guide_comparison(plans: dict[str, MemoryPlan] | None = None,
+                            upstream: dict[str, MemoryPlan] | None = None) -> str:
     plans = plans or guide_plans()
+    upstream = upstream or guide_plans("upstream")
     lines = ["The guide's runs (Llama-2-70B), predicted vs published (GiB per GPU):",
              f"  {'run':<22}{'predicted':>10}{'published':>12}{'+ full logits (old stack)':>27}   setup"]
     for key, plan in plans.items():
@@ -122,13 +144,15 @@ def render_guide_comparison(plans: dict[str, MemoryPlan] | None = None) -> str:
         pub = f"{lo:g}" if lo == hi else f"{lo:g}-{hi:g}"
         legacy = plan.peak_gib + legacy_logits_bytes(GUIDE_RUNS[key]) / GIB
         lines.append(f"  {key:<22}{plan.peak_gib:>10.1f}{pub:>12}{legacy:>27.1f}   {plan.setup}")
+    lines += render_load_comparison(plans, upstream)
     host = plans["qlora-2x24-offload"].host_peak_bytes / GIB
-    row = {r.name: r.bytes for r in plans["qlora-2x24-offload"].host_rows}
+    row = {r.name: r.bytes for r in upstream["qlora-2x24-offload"].host_rows}
     upstream_save = row.get("offloaded shards", 0) + row[UPSTREAM_SAVE_ROW]
     upstream_host = (row["runtime"] + max(row["loading"], upstream_save)) / GIB
-    lines.append(f"  host RAM, QLoRA + offload: predicted {host:.0f} GiB here (runtime, one loaded copy, offloaded "
-                 f"shards, the adapter-only save); {upstream_host:.0f} GiB on upstream's path (its final "
-                 f"FULL_STATE_DICT gather), published ~{PUBLISHED['qlora-2x24-offload']['host_gib']:g} GB")
+    lines.append(f"  host RAM, QLoRA + offload: predicted {host:.0f} GiB here (runtime, one quantized copy per rank "
+                 f"while loading, then offloaded shards and the adapter-only save); {upstream_host:.0f} GiB on "
+                 f"upstream's path (its final FULL_STATE_DICT gather), published "
+                 f"~{PUBLISHED['qlora-2x24-offload']['host_gib']:g} GB")
     for key in ("lora-8x80", "qlora-2x24-offload"):
         row = {r.name: r.bytes for r in plans[key].host_rows} if key in plans else {}
         if row:

@@ -10,7 +10,11 @@ from sft_recipe.plan.gpu import (
     DEFAULT_ALLOCATOR_RESERVE,
     DEFAULT_CUDA_CONTEXT_GIB,
     DEFAULT_HOST_RUNTIME_GIB,
+    DEFAULT_QUANTIZE_THREADS_PER_RANK,
+    LOAD_PATHS,
+    QUANTIZE_WEIGHTS_PER_S_PER_THREAD,
     estimate_gpu,
+    quantization_seconds,
 )
 from sft_recipe.plan.inputs import Distribution, Workload, check_inputs, distribution, read_accelerate_config, workload
 from sft_recipe.plan.result import LadderStep, MemoryPlan
@@ -22,10 +26,14 @@ def plan_memory(model_args, data_args, training_args, accelerate_config: dict | 
                 cuda_context_gib: float = DEFAULT_CUDA_CONTEXT_GIB,
                 allocator_reserve: float = DEFAULT_ALLOCATOR_RESERVE,
                 host_runtime_gib: float = DEFAULT_HOST_RUNTIME_GIB, dora: bool = False, ladder: bool = True,
-                shape: ModelShape | None = None) -> MemoryPlan:
+                shape: ModelShape | None = None, load_path: str = "recipe",
+                quantize_threads_per_rank: int = DEFAULT_QUANTIZE_THREADS_PER_RANK) -> MemoryPlan:
     """Plan one run's memory. `accelerate_config`: YAML path, dict (inside `accelerate launch`:
     LaunchEnv.accelerate_config()) or None (one process). `device`: "cuda" predicts GPU memory per rank; "cpu"
-    predicts peak RSS per rank of a CPU run."""
+    predicts peak RSS per rank of a CPU run. `load_path`: "recipe" (a quantized base loads on the CPU under FSDP)
+    or "upstream" (transformers 5.x's default: on each rank's GPU, as upstream's train.py loads it)."""
+    if load_path not in LOAD_PATHS:
+        raise ValueError(f"load_path {load_path!r}: one of {LOAD_PATHS}")
     cfg = read_accelerate_config(accelerate_config)
     d = distribution(cfg, num_processes, training_args)
     w = workload(model_args, data_args, training_args, device, dora)
@@ -34,7 +42,8 @@ def plan_memory(model_args, data_args, training_args, accelerate_config: dict | 
         shape = model_shape(model_args.model_name_or_path, bool(getattr(training_args, "trust_remote_code", False)),
                             w.extra_vocab)
     knobs = {"cuda_context_gib": cuda_context_gib, "allocator_reserve": allocator_reserve,
-             "host_runtime_gib": host_runtime_gib}
+             "host_runtime_gib": host_runtime_gib, "load_path": load_path,
+             "quantize_threads_per_rank": quantize_threads_per_rank}
     plan = _plan(shape, w, d, float(gpu_memory_gib), device, knobs)
     if ladder and not plan.fits:
         plan.ladder = fit_ladder(shape, w, d, float(gpu_memory_gib), device, knobs)
@@ -62,9 +71,18 @@ def _plan(shape: ModelShape, w: Workload, d: Distribution, budget: float, device
             per_rank.append(max(estimate_cpu(shape, w, d, rank)[1].values()))
         host_rows, host_peak = [], 0.0
         notes.append("CPU mode: constants measured on this stack with glibc malloc (see bench/memory_plan.py).")
+    quantize_s = 0.0
+    if w.quant and d.kind == "fsdp" and knobs.get("load_path") != "upstream":
+        threads = knobs.get("quantize_threads_per_rank", DEFAULT_QUANTIZE_THREADS_PER_RANK)
+        quantize_s = quantization_seconds(shape, w, threads)
+        notes.append(f"load: every rank quantizes the base on the CPU: {shape.quantizable_params:,} weights, "
+                     f"~{quantize_s / 60:.1f} min at {threads} threads per rank "
+                     f"({quantization_seconds(shape, w, 1) / 60:.0f} min on one; "
+                     f"{QUANTIZE_WEIGHTS_PER_S_PER_THREAD / 1e6:.0f} M weights/s per thread measured)")
     notes.append(f"model: {shape.source}: {shape.total_params:,} params, {shape.num_layers} layers")
     return MemoryPlan(device=device, model=shape.source, setup=setup, budget_gib=budget, rows=rows, phases=phases,
-                      host_rows=host_rows, host_peak_bytes=host_peak, notes=notes, per_rank_bytes=per_rank)
+                      host_rows=host_rows, host_peak_bytes=host_peak, notes=notes, per_rank_bytes=per_rank,
+                      quantization_seconds=quantize_s)
 
 
 def _peak(shape, w, d, budget, device, knobs) -> float:

@@ -41,6 +41,7 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     ladder: list[LadderStep] = field(default_factory=list)
     per_rank_bytes: list[float] = field(default_factory=list)  # peak of each rank (rank 0 can differ)
+    quantization_seconds: float = 0.0  # CPU quantization per rank while loading (the recipe's FSDP path)
 
     @property
     def peak_bytes(self) -> float:
@@ -49,6 +50,16 @@ class MemoryPlan:
     @property
     def peak_gib(self) -> float:
         return self.peak_bytes / GIB
+
+    @property
+    def largest_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+    @property
+    def fails_at(self) -> str | None:
+        """The first phase, in the order a run goes through them, that does not fit: where the run would stop."""
+        budget = self.budget_gib * GIB
+        return next((name for name, peak in self.phases.items() if peak > budget), None)
 
     @property
     def headroom_gib(self) -> float:
@@ -64,7 +75,9 @@ class MemoryPlan:
             "peak_gib": round(self.peak_gib, 3), "headroom_gib": round(self.headroom_gib, 3), "fits": self.fits,
             "per_rank_gib": [round(b / GIB, 3) for b in self.per_rank_bytes],
             "per_rank_mib": [round(b / MIB, 1) for b in self.per_rank_bytes],
-            "phases_gib": {k: round(v / GIB, 3) for k, v in self.phases.items()},
+            "phases_gib": {k: round(v / GIB, 3) for k, v in self.phases.items()}, "largest_phase": self.largest_phase,
+            "fails_at": self.fails_at,
+            "quantization_seconds": round(self.quantization_seconds, 1),
             "rows": [{"name": r.name, "gib": round(r.gib(), 3), "formula": r.formula} for r in self.rows],
             "host_rows": [{"name": r.name, "gib": round(r.gib(), 3), "formula": r.formula} for r in self.host_rows],
             "host_peak_gib": round(self.host_peak_bytes / GIB, 3),
@@ -90,9 +103,10 @@ class MemoryPlan:
                 lines.append(f"    {r.name:<{hw}}{r.gib():>9.2f} {unit}   {r.formula}")
             lines.append(f"    {'peak':<{hw}}{self.host_peak_bytes / GIB:>9.2f} {unit}")
         verdict = "FITS" if self.fits else "DOES NOT FIT"
+        where = "" if self.fits else f" at {self.fails_at or self.largest_phase}"
         lines.append(f"verdict: {verdict} in {self.budget_gib:g} GiB per "
-                     f"{'GPU' if self.device == 'cuda' else 'rank'}: peak {self.peak_gib:.2f} GiB, headroom "
-                     f"{self.headroom_gib:+.2f} GiB")
+                     f"{'GPU' if self.device == 'cuda' else 'rank'}{where}: peak {self.peak_gib:.2f} GiB "
+                     f"({self.largest_phase}), headroom {self.headroom_gib:+.2f} GiB")
         if self.ladder:
             lines.append("cheapest changes that make it fit, in order (each includes the ones above it):")
             for k, s in enumerate(self.ladder, 1):

@@ -1,0 +1,118 @@
+"""The plan's load and wrap phases: where a quantized base is while it loads, on the recipe's path and upstream's.
+
+transformers 5.x puts a bitsandbytes base whole onto every rank's GPU unless told otherwise (upstream's path); the
+recipe loads it on the CPU under FSDP (compat.quantized_base_device_map). A plan that said "fits" for upstream's
+path on the guide's 2 x 24 GB QLoRA run was wrong: it must say where it stops.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sft_recipe.plan import GIB, guide_plans, main, model_shape, parse_train_flags, plan_memory, render_guide_comparison
+from sft_recipe.plan.components import base_weight_bytes
+from sft_recipe.plan.gpu import QUANTIZE_WEIGHTS_PER_S_PER_THREAD, layer_bytes_as_loaded
+from sft_recipe.plan.inputs import workload
+from tests.helpers import REPO
+
+LLAMA_70B = str(REPO / "sft_recipe" / "plan" / "models" / "llama-2-70b")
+QLORA = ["--config", str(REPO / "recipes" / "llama2_70b_qlora.yaml"), "--model_name_or_path", LLAMA_70B]
+QLORA_YAML = str(REPO / "configs" / "fsdp_config_qlora.yaml")
+
+
+@pytest.fixture(scope="module")
+def qlora_args():
+    return parse_train_flags(QLORA, "cuda")
+
+
+def _plan(args, config, gpu_gib=24.0, **kw):
+    model_args, data_args, _, training_args = args
+    return plan_memory(model_args, data_args, training_args, config, None, gpu_gib, "cuda", ladder=False, **kw)
+
+
+def _4bit_base(args) -> tuple[float, float]:
+    """(shardable, replicated) bytes of the guide's 4-bit base: packed weights + the rest, and the constants."""
+    model_args, data_args, _, training_args = args
+    w = workload(model_args, data_args, training_args, "cuda")
+    shardable, replicated, _ = base_weight_bytes(model_shape(LLAMA_70B, extra_vocab=w.extra_vocab), w)
+    return shardable, replicated
+
+
+def _whole_4bit_base(args) -> float:
+    return sum(_4bit_base(args))
+
+
+def test_the_guides_qlora_run_fits_on_the_recipes_path_and_stops_at_load_on_upstreams():
+    recipe, upstream = guide_plans(), guide_plans("upstream")
+    assert recipe["qlora-2x24-offload"].fits and recipe["qlora-2x24-offload"].fails_at is None
+    assert not upstream["qlora-2x24-offload"].fits
+    assert upstream["qlora-2x24-offload"].fails_at == "load"  # the whole 4-bit base, before any sharding
+    text = render_guide_comparison(recipe, upstream)
+    assert "qlora-2x24-offload  upstream" in text and "does not fit at load in 24 GiB" in text
+    assert "qlora-2x24-offload  recipe" in text and "-> fits in 24 GiB" in text
+
+
+def test_fsdp_load_puts_nothing_on_the_gpu_and_wrapping_one_layer_beyond_the_shard(qlora_args):
+    plan = _plan(qlora_args, QLORA_YAML)
+    context = 1.0 * GIB
+    assert plan.phases["load"] == pytest.approx(context)  # loaded on the CPU: only the CUDA context
+    whole = _whole_4bit_base(qlora_args)
+    model_args, data_args, _, training_args = qlora_args
+    w = workload(model_args, data_args, training_args, "cuda")
+    shape = model_shape(LLAMA_70B, extra_vocab=w.extra_vocab)
+    layer = layer_bytes_as_loaded(shape, w)
+    assert layer < 0.6 * GIB  # one packed 70B decoder layer, not its bf16 size (~1.6 GiB)
+    # With CPU offload the shards live in host RAM: the GPU holds the 4-bit constants and one layer at a time.
+    assert plan.phases["wrap"] < context + 0.05 * whole + layer
+    no_offload = _plan(qlora_args, {**_yaml_without_offload()})
+    shardable, replicated = _4bit_base(qlora_args)
+    # a shard of 2, the constants every rank keeps whole, and one layer moved before it is sharded
+    assert no_offload.phases["wrap"] == pytest.approx(context + shardable / 2 + replicated + layer, rel=1e-6)
+
+
+def _yaml_without_offload() -> dict:
+    import yaml
+
+    cfg = yaml.safe_load(open(QLORA_YAML))
+    cfg["fsdp_config"]["fsdp_offload_params"] = False
+    return cfg
+
+
+def test_upstreams_path_and_one_process_put_the_whole_quantized_base_on_the_gpu(qlora_args):
+    whole = _whole_4bit_base(qlora_args)
+    upstream = _plan(qlora_args, QLORA_YAML, load_path="upstream")
+    assert upstream.phases["load"] == pytest.approx(1.0 * GIB + whole, rel=1e-6)
+    assert upstream.phases["wrap"] > upstream.phases["load"]  # a unit's flat copy before it is sharded
+    single = _plan(qlora_args, None, gpu_gib=80.0)  # one process: the quantizer's map is the right one
+    assert single.phases["load"] == pytest.approx(1.0 * GIB + whole, rel=1e-6)
+
+
+def test_host_ram_and_quantization_time_follow_the_path(qlora_args):
+    recipe = _plan(qlora_args, QLORA_YAML)
+    upstream = _plan(qlora_args, QLORA_YAML, load_path="upstream")
+    whole = _whole_4bit_base(qlora_args)
+    recipe_rows = {r.name: r.bytes for r in recipe.host_rows}
+    upstream_rows = {r.name: r.bytes for r in upstream.host_rows}
+    assert recipe_rows["loading"] == pytest.approx(2 * whole)  # each of 2 ranks quantizes its own copy
+    assert upstream_rows["loading"] == 0.0  # quantized on the GPU as read
+    shape = model_shape(LLAMA_70B, extra_vocab=8)
+    assert recipe.quantization_seconds == pytest.approx(shape.quantizable_params /
+                                                        (QUANTIZE_WEIGHTS_PER_S_PER_THREAD * 8))
+    assert 3 * 60 < recipe.quantization_seconds < 6 * 60  # minutes at 70B on 8 threads per rank, said in a note
+    assert any("quantizes the base on the CPU" in note for note in recipe.notes)
+    assert upstream.quantization_seconds == 0.0
+    one_thread = _plan(qlora_args, QLORA_YAML, quantize_threads_per_rank=1)
+    assert one_thread.quantization_seconds == pytest.approx(8 * recipe.quantization_seconds)
+
+
+def test_cli_prints_where_the_run_stops(capsys):
+    argv = ["--config_file", QLORA_YAML, "--gpu_memory_gib", "24", *QLORA]
+    assert main([*argv, "--load_path", "upstream"]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: DOES NOT FIT in 24 GiB per GPU at load" in out
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and plan["phases_gib"]["load"] == pytest.approx(1.0)
+    assert plan["quantization_seconds"] > 0 and plan["fails_at"] is None
