@@ -350,9 +350,11 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,
                         "or a Hub id (the embedded tiny model is built by `python -m sft_recipe.tiny --output_dir "
                         ".tiny`).")
     if not any("--model_name_or_path" in p for p in problems):
+        from sft_recipe.config.load_checks import zero3_quantized_load_problems
         from sft_recipe.train.gptq import gptq_problems
 
         problems += _lora_target_problems(m, t)
         problems += gptq_problems(m, t, launch)
+        problems += zero3_quantized_load_problems(m, d, t, launch)  # needs the model's config
     if problems:
         raise ConfigError(problems)

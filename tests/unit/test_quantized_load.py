@@ -178,3 +178,61 @@ def test_moving_a_quantized_weight_keeps_its_state_and_never_quantizes_again(mon
                      quant_storage=torch.bfloat16)
     with pytest.raises(AssertionError, match="quantized again"):
         raw.to("cpu")
+
+
+# ---- DeepSpeed ZeRO-3: the whole quantized base on every GPU, refused where it cannot fit ------------------------
+
+ZERO3 = LaunchEnv(rank=0, world_size=2, use_deepspeed=True, deepspeed_zero_stage="3", deepspeed_zero3_init=True,
+                  deepspeed_zero3_save_16bit_model=True)
+
+
+@pytest.fixture(scope="module")
+def guide_qlora():
+    """The guide's QLoRA run (Llama-2-70B architecture, shipped offline), parsed as for a GPU machine."""
+    from sft_recipe.plan import parse_train_flags
+    from tests.helpers import REPO
+
+    return parse_train_flags(["--config", str(REPO / "recipes" / "llama2_70b_qlora.yaml"), "--model_name_or_path",
+                              str(REPO / "sft_recipe" / "plan" / "models" / "llama-2-70b")], "cuda")
+
+
+def test_zero3_qlora_is_refused_where_the_whole_quantized_base_does_not_fit_a_gpu(guide_qlora, caplog):
+    from sft_recipe.config.load_checks import quantized_base_bytes, zero3_quantized_load_problems
+
+    m, d, _, t = guide_qlora
+    whole = quantized_base_bytes(m, d, t)
+    assert 32 * 2**30 < whole < 38 * 2**30  # Llama-2-70B in NF4 + double quant, bf16 embeddings and head
+    problems = zero3_quantized_load_problems(m, d, t, ZERO3, gpu_bytes=24 * 2**30)
+    assert len(problems) == 1
+    assert "whole quantized base (" in problems[0] and "this GPU has 24.0 GiB" in problems[0]
+    assert "configs/fsdp_config_qlora.yaml" in problems[0]  # the command that works
+    # Where it fits (an 80 GB GPU) it runs, and says once what loading costs there.
+    with caplog.at_level("WARNING"):
+        assert zero3_quantized_load_problems(m, d, t, ZERO3, gpu_bytes=80 * 2**30) == []
+    assert "every GPU holds the whole quantized base" in caplog.text
+
+
+def test_the_zero3_check_leaves_other_launches_alone(guide_qlora, monkeypatch):
+    from sft_recipe.config import load_checks
+
+    m, d, _, t = guide_qlora
+    assert load_checks.zero3_quantized_load_problems(m, d, t, FSDP2, gpu_bytes=1) == []  # FSDP: loaded on the CPU
+    zero2 = LaunchEnv(**{**vars(ZERO3), "deepspeed_zero_stage": "2"})
+    assert load_checks.zero3_quantized_load_problems(m, d, t, zero2, gpu_bytes=1) == []  # ZeRO-2: DDP-like
+    lora = ModelArguments(**{**vars(m), "use_4bit_quantization": False})
+    assert load_checks.zero3_quantized_load_problems(lora, d, t, ZERO3, gpu_bytes=1) == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU dry run: no GPU memory to exceed
+    assert load_checks.zero3_quantized_load_problems(m, d, t, ZERO3) == []
+
+
+def test_validate_refuses_zero3_qlora_on_a_small_gpu_before_loading(guide_qlora, monkeypatch):
+    """Through the whole-config check, which runs before any weight is read."""
+    from sft_recipe.config import load_checks
+    from sft_recipe.config.args import ConfigError
+    from sft_recipe.config.validate import validate
+
+    m, d, r, t = guide_qlora
+    monkeypatch.setattr(load_checks, "gpu_memory_bytes", lambda launch: 24 * 2**30)
+    with pytest.raises(ConfigError) as refused:
+        validate(m, d, r, t, ZERO3)
+    assert any("QLoRA under DeepSpeed ZeRO-3" in p and "fsdp_config_qlora.yaml" in p for p in refused.value.problems)

@@ -1,0 +1,68 @@
+"""Will the base load where the launch puts it? Checked from the model config before any weight is read."""
+
+from __future__ import annotations
+
+import logging
+
+from sft_recipe.config.args import DataTrainingArguments, ModelArguments
+from sft_recipe.config.launch_env import LaunchEnv
+
+logger = logging.getLogger(__name__)
+
+GIB = 2 ** 30
+FSDP_QLORA_COMMAND = ("accelerate launch --config_file configs/fsdp_config_qlora.yaml train.py ... "
+                      "(bash run_peft_qlora_fsdp.sh)")
+
+
+def gpu_memory_bytes(launch: LaunchEnv) -> int | None:
+    """Total memory of this rank's GPU, or None where the run does not train on a CUDA GPU."""
+    import torch
+
+    if launch.use_cpu or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(launch.local_rank % torch.cuda.device_count()).total_memory
+
+
+def quantized_base_bytes(m: ModelArguments, d: DataTrainingArguments, t) -> float:
+    """The whole quantized base as loaded (packed weights, the rest in the load dtype, quantization constants):
+    the memory planner's formula (sft_recipe/plan/components.py), from the config on the meta device."""
+    from sft_recipe.plan.components import base_weight_bytes
+    from sft_recipe.plan.inputs import workload
+    from sft_recipe.plan.shape import model_shape
+
+    w = workload(m, d, t, "cuda")
+    shape = model_shape(m.model_name_or_path, bool(getattr(t, "trust_remote_code", False)), w.extra_vocab)
+    shardable, replicated, _ = base_weight_bytes(shape, w)
+    return shardable + replicated
+
+
+def zero3_quantized_load_problems(m: ModelArguments, d: DataTrainingArguments, t, launch: LaunchEnv,
+                                  gpu_bytes: int | None = None) -> list[str]:
+    """DeepSpeed ZeRO-3 with a bitsandbytes base, on GPUs: every GPU loads the whole quantized base before DeepSpeed
+    partitions it (transformers 5.24: quantized models skip `zero.Init`, the quantizer maps them onto this rank's
+    GPU, and `from_pretrained` refuses a user `device_map` under ZeRO-3, so the recipe cannot place it as it does
+    for FSDP: compat.quantized_base_device_map). Refused when that whole base and the CUDA context exceed the GPU;
+    said once otherwise. `gpu_bytes`: this rank's GPU memory (None: read it; no GPU: nothing to check)."""
+    quantized = m.use_4bit_quantization or m.use_8bit_quantization
+    if not (quantized and launch.use_deepspeed and launch.deepspeed_zero_stage == "3"):
+        return []
+    gpu_bytes = gpu_memory_bytes(launch) if gpu_bytes is None else gpu_bytes
+    if gpu_bytes is None:  # a CPU dry run: device memory is host memory
+        return []
+    try:
+        whole = quantized_base_bytes(m, d, t)
+    except Exception:  # the model path is checked (and named) elsewhere; this check needs its config
+        return []
+    need = whole + 1.0 * GIB  # + the CUDA context (the planner's default)
+    if need <= gpu_bytes:
+        if launch.is_main_process:
+            logger.warning(f"QLoRA under DeepSpeed ZeRO-3: every GPU holds the whole quantized base "
+                           f"({whole / GIB:.1f} GiB) while loading, before DeepSpeed partitions it; it fits this GPU "
+                           f"({gpu_bytes / GIB:.1f} GiB). FSDP loads it on the CPU and shards it unit by unit: "
+                           f"{FSDP_QLORA_COMMAND}.")
+        return []
+    return [f"QLoRA under DeepSpeed ZeRO-3: every GPU must first hold the whole quantized base ({whole / GIB:.1f} GiB "
+            f"+ ~1 GiB CUDA context) before DeepSpeed partitions it, and this GPU has {gpu_bytes / GIB:.1f} GiB. "
+            "transformers 5.x skips zero.Init for quantized models, maps them onto each rank's GPU and refuses a "
+            "device_map under ZeRO-3, so the recipe cannot load it elsewhere. Fix: FSDP, which the recipe loads on the "
+            f"CPU and shards one unit at a time: {FSDP_QLORA_COMMAND}; or a GPU with more memory."]
