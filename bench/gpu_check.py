@@ -6,6 +6,8 @@ gradient checkpointing, SDPA, the tiny chat data repeated, a few steps. Each is 
 or timeout is a row in the table, and the next step runs. Steps:
     lora / lora+offload     FSDP2 on 1 process (configs/fsdp2_config.yaml --num_processes 1), CPU offload off / on
     qlora / qlora+offload   the same with 4-bit NF4, nested quant, bf16 storage (the guide's QLoRA settings)
+    qlora-quantizer         qlora with transformers' own placement of the 4-bit base (no device_map: upstream's path;
+                            bench/train_with_quantizer_placement.py): its "GPU at load" column is the whole base
     qlora-1gpu              bash run_peft.sh: one process, no launcher, uint8 storage (upstream's single-GPU default)
     gptq                    run_peft_fsdp_gptq.sh (FSDP1) on the tiny model quantized with GPTQ on this machine, if
                             optimum + gptqmodel are installed (bench/wheels/gptq)
@@ -13,7 +15,9 @@ or timeout is a row in the table, and the next step runs. Steps:
                             bench/upstream/, git-ignored: carry it) holds it and its utils.py; not in this repo,
                             skipped with a note otherwise
 One table: tokens/s (mean after the first logging interval), MFU, peak GPU memory during training vs the memory
-plan's prediction (sft_recipe.plan, same flags), peak after the final save, its seconds, the adapter check.
+plan's prediction (sft_recipe.plan, same flags), peak GPU memory from process start to the end of loading and to the
+end of wrapping (run_record.json) beside the plan's load phase, peak after the final save, its seconds, the adapter
+check.
 GPU_CHECK_SMOKE=1: the same steps on the tiny model in fp32 on CPU, 2 steps each (tests/test_gpu_check.py); the
 offload steps are then refused up front (offload needs a GPU), which is what the smoke expects.
 """
@@ -107,6 +111,12 @@ def steps(model: Path, data: Path) -> list[dict]:
                                plan=plan + ["--fsdp_offload_params", offload, *flags], out=out / label))
             if SMOKE and label == "lora+offload":  # the same up-front refusal as qlora+offload: 8 s of suite time
                 result[-1] = dict(name=label, skip="smoke: refused on CPU like qlora+offload (offload needs a GPU)")
+    # The same qlora run with the base placed by transformers' quantizer (upstream's path): the load column's contrast.
+    flags = common_flags(model, data, out / "qlora-quantizer") + qlora_flags(storage)
+    result.append(dict(name="qlora-quantizer", cmd=launch + ["--fsdp_offload_params", "false",
+                                                             "bench/train_with_quantizer_placement.py", *flags],
+                       plan=plan + ["--fsdp_offload_params", "false", *flags, "--load_path", "upstream"],
+                       out=out / "qlora-quantizer"))
     # run_peft.sh's own --use_reentrant True stays: that is the path being checked.
     flags = common_flags(model, data, out / "qlora-1gpu")
     at = flags.index("--use_reentrant")
@@ -147,10 +157,10 @@ def gptq_step(model: Path, out: Path) -> dict:
     return dict(name="gptq", cmd=["bash", "-c", f"{build} && {script}"], plan=None, out=out / "gptq")
 
 
-def predicted_peak_gib(plan_argv: list[str] | None) -> float | None:
-    """The memory plan's per-GPU peak for the same flags (sft_recipe.plan, no weights read), or None."""
+def predicted(plan_argv: list[str] | None) -> dict:
+    """The memory plan's per-GPU peak and load phase for the same flags (sft_recipe.plan, no weights read), or {}."""
     if plan_argv is None:
-        return None
+        return {}
     from sft_recipe.plan import main as plan_main
 
     device = ["--device", "cpu"] if SMOKE else []
@@ -158,9 +168,10 @@ def predicted_peak_gib(plan_argv: list[str] | None) -> float | None:
     try:
         with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(io.StringIO()):
             plan_main(["--gpu_memory_gib", "139", "--json", *device, *plan_argv])
-        return json.loads(buffer.getvalue())["peak_gib"]
+        plan = json.loads(buffer.getvalue())
     except (Exception, SystemExit):
-        return None
+        return {}
+    return {"plan_gib": plan["peak_gib"], "plan_load_gib": plan["phases_gib"].get("load")}
 
 
 def run_step(step: dict, deadline: float) -> dict:
@@ -170,7 +181,7 @@ def run_step(step: dict, deadline: float) -> dict:
     left = deadline - time.time()
     if left < 20:
         return {**row, "status": "skipped", "note": "out of time"}
-    row["plan_gib"] = predicted_peak_gib(step.get("plan"))
+    row.update(predicted(step.get("plan")))
     shutil.rmtree(step["out"], ignore_errors=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                **step.get("env", {}))
@@ -208,7 +219,10 @@ def read_results(out: Path) -> dict:
     throughput, memory, save = record["throughput"], record["memory"], record["saves"].get("final") or {}
     return {"tokens_per_second": throughput.get("tokens_per_second"), "mfu": throughput.get("mfu"),
             "peak_after_save_gib": max(memory.get("peak_memory_gib_per_rank") or [None], key=lambda x: x or 0),
-            "peak_train_gib": memory.get("peak_gpu_memory_gib"), "save_seconds": save.get("seconds")}
+            "peak_train_gib": memory.get("peak_gpu_memory_gib"), "save_seconds": save.get("seconds"),
+            # from process start: to the end of loading (+ LoRA layers), and to the end of wrapping
+            "load_gpu_gib": max(memory.get("gpu_peak_gib_after_load_per_rank") or [None], key=lambda x: x or 0),
+            "wrap_gpu_gib": max(memory.get("gpu_peak_gib_after_wrap_per_rank") or [None], key=lambda x: x or 0)}
 
 
 def fmt(value, pattern="{:.1f}") -> str:
@@ -216,12 +230,15 @@ def fmt(value, pattern="{:.1f}") -> str:
 
 
 def render(rows: list[dict], header: str) -> str:
-    lines = [header, "", "| step | status | tokens/s | MFU | peak GiB (train) | plan GiB | peak GiB after save | "
-             "save s | adapter check | s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [header, "", "| step | status | tokens/s | MFU | peak GiB (train) | plan GiB | GPU GiB at load | "
+             "through wrap | plan load | peak GiB after save | save s | adapter check | s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['step']} | {r['status']} | {fmt(r.get('tokens_per_second'), '{:.0f}')} | "
                      f"{fmt(r.get('mfu'), '{:.1%}')} | {fmt(r.get('peak_train_gib'), '{:.2f}')} | "
-                     f"{fmt(r.get('plan_gib'), '{:.2f}')} | {fmt(r.get('peak_after_save_gib'), '{:.2f}')} | "
+                     f"{fmt(r.get('plan_gib'), '{:.2f}')} | {fmt(r.get('load_gpu_gib'), '{:.2f}')} | "
+                     f"{fmt(r.get('wrap_gpu_gib'), '{:.2f}')} | {fmt(r.get('plan_load_gib'), '{:.2f}')} | "
+                     f"{fmt(r.get('peak_after_save_gib'), '{:.2f}')} | "
                      f"{fmt(r.get('save_seconds'), '{:.2f}')} | {r.get('adapter_check', '-')} | "
                      f"{fmt(r.get('seconds'))} |")
     lines += [f"- {r['step']}: {r['note']}" for r in rows if r.get("note")]

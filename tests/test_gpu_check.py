@@ -19,8 +19,9 @@ def test_gpu_check_smoke_prints_one_row_per_step(tmp_path):
     result = run_command(["bash", "bench/gpu_check.sh"], tmp_path, env=env, timeout=300)
     assert result.returncode == 0, result.output[-5000:]
     rows = {r["step"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())}
-    assert list(rows) == ["lora", "lora+offload", "qlora", "qlora+offload", "qlora-1gpu", "gptq", "upstream"]
-    for name in ("lora", "qlora", "qlora-1gpu"):
+    assert list(rows) == ["lora", "lora+offload", "qlora", "qlora+offload", "qlora-quantizer", "qlora-1gpu", "gptq",
+                          "upstream"]
+    for name in ("lora", "qlora", "qlora-quantizer", "qlora-1gpu"):
         row = rows[name]
         assert (row["status"], row["adapter_check"]) == ("ok", "pass"), row
         assert row["tokens_per_second"] > 0 and row["plan_gib"] > 0 and row["peak_after_save_gib"] > 0, row
@@ -30,7 +31,10 @@ def test_gpu_check_smoke_prints_one_row_per_step(tmp_path):
     assert rows["upstream"]["status"] == "skipped" and "UPSTREAM_SFT_DIR" in rows["upstream"]["note"]
     # GPTQ's libraries live in .venv/gptq-site, off this run's path (tests/test_gptq.py runs that path on CPU)
     assert rows["gptq"]["status"] == "skipped" and "not installed" in rows["gptq"]["note"]
+    # The load columns come from run_record.json's GPU peaks: none on a CPU (the GPU run fills them).
+    assert rows["qlora"]["load_gpu_gib"] is None and rows["qlora"]["wrap_gpu_gib"] is None
     table = (tmp_path / "gpu_check.md").read_text()
+    assert "| GPU GiB at load | through wrap | plan load |" in table
     assert table in result.output, "the table is printed"
     assert re.search(r"^\| qlora-1gpu \| ok \| \d+ \|", table, flags=re.M)
     # run_peft.sh ran as shipped: its own reentrant checkpointing and uint8 4-bit storage

@@ -52,7 +52,7 @@ def runs(tiny, bench_model, tmp_path_factory):
     for engine, config in ENGINES.items():
         out[engine] = launch_train(config, tmp_path_factory.mktemp(engine), [*model, *TRAIN], env=env)
         before = tmp_path_factory.mktemp(f"{engine}-quantizer")
-        out[f"{engine}-quantizer"] = launch_script(config, "tests/e2e/train_with_quantizer_placement.py",
+        out[f"{engine}-quantizer"] = launch_script(config, "bench/train_with_quantizer_placement.py",
                                                    ["--output_dir", str(before), *model, *TRAIN], before, env)
     one = tmp_path_factory.mktemp("one-process")
     out["one-process"] = launch_train("cpu/single.yaml", one, [*model, *TRAIN,

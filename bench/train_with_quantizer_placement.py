@@ -1,8 +1,8 @@
 """train.py as it ran before the recipe placed quantized bases itself: `from_pretrained` gets no device_map, so
-transformers' quantizer places the base (on a CPU machine: the CPU too). For tests/e2e/test_quantized_load.py only,
-which trains the same run both ways side by side.
+transformers' quantizer places the base (on a GPU: whole on each rank's GPU, upstream's path; on a CPU machine: the
+CPU too). For side-by-side runs only: bench/gpu_check.py's `qlora-quantizer` row and tests/e2e/test_quantized_load.py.
     ACCELERATE_USE_CPU=true accelerate launch --config_file configs/cpu/fsdp_config.yaml \
-        tests/e2e/train_with_quantizer_placement.py [train.py flags]
+        bench/train_with_quantizer_placement.py [train.py flags]
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import runpy
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import sft_recipe.train.model as model_module  # noqa: E402  (after the path)
