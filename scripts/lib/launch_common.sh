@@ -3,7 +3,8 @@
 #   source scripts/lib/launch_common.sh    (after MODEL, DATASET and OUTPUT_DIR are set)
 # - GUIDE_FLAGS: the guide's train.py flags (its LoRA + FSDP run, run_peft_fsdp.sh). A launcher passes them, then
 #   only the flags where it differs, then the user's "$@": the last value given for a flag wins.
-# - accelerate_launch: the `accelerate launch` words from ACCELERATE_CONFIG, NUM_PROCESSES and LAUNCH_ARGS.
+# - accelerate_launch: the `accelerate launch` words from ACCELERATE_CONFIG, NUM_PROCESSES and LAUNCH_ARGS (for a
+#   DeepSpeed config, after checking that DeepSpeed is installed: exit 2 naming the fix).
 # - run_and_exit CMD...: runs CMD; exits 75 when CMD wrote a new preemption note in OUTPUT_DIR (resume it with
 #   --resume_from_checkpoint latest), else with CMD's status.
 # - recipe_script_for CONFIG: the launcher whose flags fit an accelerate config (run_peft_slurm.sh uses it).
@@ -50,6 +51,11 @@ GUIDE_FLAGS=(
 )
 
 accelerate_launch() {
+  # `accelerate launch` itself needs DeepSpeed for a DeepSpeed config, and stops with its own ImportError traceback
+  # without it: ask first, and exit 2 with the recipe's message (package, version, fix) as train.py's checks do.
+  if grep -qiE '^distributed_type:[[:space:]]*DEEPSPEED' "$ACCELERATE_CONFIG"; then
+    python -m sft_recipe.config.optional_deps --accelerate_config "$ACCELERATE_CONFIG" || exit 2
+  fi
   LAUNCH=(accelerate launch --config_file "$ACCELERATE_CONFIG")
   if [[ -n "${NUM_PROCESSES:-}" ]]; then LAUNCH+=(--num_processes "$NUM_PROCESSES"); fi
   # Extra launcher flags, word-split (run_peft_slurm.sh passes --num_machines/--machine_rank/... this way).

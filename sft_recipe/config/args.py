@@ -288,11 +288,14 @@ def parse_args(argv: list[str] | None = None, launch=None):
             parser.set_defaults(**yaml_values)
     else:
         yaml_values = {}
+    from sft_recipe.config.optional_deps import engine_problems
+
     if launch is None:
         from sft_recipe.config.launch_env import read_launch_env
 
         launch = read_launch_env()
     parser.set_defaults(**RECIPE_DEFAULTS, **hardware_defaults(argv, yaml_values, problems, launch))
+    problems += engine_problems(_value_of(argv, "deepspeed", yaml_values.get("deepspeed")), launch)
     if problems:
         raise ConfigError(problems)
 

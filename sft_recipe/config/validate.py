@@ -9,6 +9,7 @@ from pathlib import Path
 from sft_recipe.artifacts.checkpoints import previous_results, resolve_resume, resume_layout_problems
 from sft_recipe.config.args import ConfigError, DataTrainingArguments, ModelArguments, RecipeArguments
 from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
+from sft_recipe.config.optional_deps import bitsandbytes_optimizers, optional_dependency_problems
 from sft_recipe.data.prepare import locate_splits
 from sft_recipe.train.model import DTYPES, flash_attn_problem
 
@@ -67,11 +68,6 @@ def _model_problems(m: ModelArguments, t, launch: LaunchEnv) -> list[str]:
     return problems
 
 
-BNB_8BIT_OPTIMIZERS = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "lion_8bit",
-                       "paged_lion_8bit", "paged_lion_32bit", "rmsprop_bnb_8bit", "rmsprop_8bit", "ademamix_8bit",
-                       "paged_ademamix_8bit", "paged_ademamix_32bit")
-
-
 def _adapter_variant_problems(m: ModelArguments, t, launch: LaunchEnv) -> list[str]:
     """DoRA, modules_to_save, trainable new tokens, 8-bit optimizers: where each works on this stack."""
     problems = []
@@ -101,7 +97,7 @@ def _adapter_variant_problems(m: ModelArguments, t, launch: LaunchEnv) -> list[s
                         "the FSDP1 unit that owns it, and saving an embed_tokens copy hangs the final gather. Fix: "
                         "FSDP2 (configs/fsdp2_config.yaml; CPU: configs/cpu/fsdp2_config.yaml), or one process.")
     optim = getattr(t.optim, "value", t.optim)  # an OptimizerNames enum once parsed
-    if optim in BNB_8BIT_OPTIMIZERS and fsdp_version:
+    if optim in bitsandbytes_optimizers() and fsdp_version:
         problems.append(f"--optim {optim} under FSDP{fsdp_version}: bitsandbytes' optimizer state does not shard "
                         "(FSDP2: its update kernel has no DTensor rule and fails at the first step; FSDP1: "
                         "checkpoints save but resuming fails while flattening its nested quantisation state -- "
@@ -339,6 +335,7 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,
     problems += _training_problems(m, d, r, t, launch)
     problems += _fsdp_env_problems(m, launch)
     problems += _deepspeed_env_problems(m, t, launch)
+    problems += optional_dependency_problems(m, t, launch)  # every optional package a setting implies
     problems += locate_splits(d)[1]
     local_model = Path(m.model_name_or_path)
     if not m.model_name_or_path:

@@ -1,0 +1,266 @@
+"""Optional packages that a setting implies, checked before any weight loads, as the pinned libraries decide them.
+
+Every setting that pulls in an optional package ends in one function of transformers, accelerate or torch: the
+handler transformers dispatches `--optim` to (`trainer_optimizer._OPTIMIZER_HANDLERS`), the callback class a
+`--report_to` name maps to (`INTEGRATION_TO_CALLBACK`), `apply_liger_kernel`, the bitsandbytes quantizers, the backend
+torch's registry returns for `--torch_compile_backend`, accelerate's DeepSpeed launcher. That function checks its
+package itself and raises when it is missing -- after the model has loaded. Here each one's checks are read from the
+function (sft_recipe/config/library_gates.py) and run first, so a value a future transformers adds is covered without
+editing this file; tests/unit/test_optional_deps.py fails when a value the pinned libraries accept is neither checked
+nor listed as needing nothing. docs/integrations.md says what works with LoRA/QLoRA under each engine.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from sft_recipe.config.library_gates import Gate, checks_text, fix_text, library_gate, needs_text, version_of
+
+# Optimizers whose transformers handler imports nothing beyond torch and transformers itself.
+OPTIMIZERS_NEEDING_NOTHING = frozenset({"adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop"})
+SAFE_OPTIMIZER = "adamw_torch"  # the fix offered for an optimizer whose package is missing
+
+# `--torch_compile_backend` values accelerate 1.15 accepts but torch 2.13 does not register by itself: what provides
+# each (torch registers a backend when its package is imported or declares the entry point). Checked against
+# accelerate's DynamoBackend by the tests: a new value there must be registered by torch or listed here.
+COMPILE_BACKEND_PROVIDERS = {  # name: (why torch lacks it here, the pip package that registers it or "")
+    "tensorrt": ("it comes with the torch-tensorrt package, for NVIDIA GPUs", "torch-tensorrt"),
+    "fx2trt": ("it came with torch-tensorrt's retired FX path", ""),
+    "onnxrt": ("torch no longer ships it; onnxruntime provides its own torch.compile backend", ""),
+    "aot_torchxla_trace_once": ("torch_xla now registers its backend as openxla, on TPU/XLA machines", ""),
+    "torchxla_trace_once": ("torch_xla now registers its backend as openxla_eval, on TPU/XLA machines", ""),
+    "hpu_backend": ("it comes with Intel Gaudi's habana_frameworks, on HPU machines only", ""),
+    "neuron": ("it comes with AWS Neuron's torch-neuronx, on Trainium/Inferentia only", ""),
+    "aot_ts_nvfuser": ("torch removed nvFuser's TorchScript backend", ""),
+    "nvprims_nvfuser": ("torch removed nvFuser's PrimTorch backend", ""),
+    "ofi": ("torch no longer registers optimize_for_inference as a backend", ""),
+}
+
+# --- the tables, read from the pinned libraries ------------------------------------------------------------------
+
+def optimizer_names() -> list[str]:
+    from transformers.training_args import OptimizerNames
+
+    return [o.value for o in OptimizerNames]
+
+
+def optimizer_gate(name: str) -> Gate | None:
+    """The checks of the handler transformers runs for `--optim name`; None when it has none (unsupported)."""
+    from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS
+
+    handler = _OPTIMIZER_HANDLERS.get(name)
+    return library_gate(handler) if handler is not None else None
+
+
+def bitsandbytes_optimizers() -> frozenset[str]:
+    """The `--optim` values transformers builds with bitsandbytes (its handler checks is_bitsandbytes_available)."""
+    return frozenset(name for name in optimizer_names()
+                     if (gate := optimizer_gate(name)) and any(n.package == "bitsandbytes" for n in gate.needs))
+
+
+def report_to_names() -> list[str]:
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    return list(INTEGRATION_TO_CALLBACK)
+
+
+def report_to_gate(name: str) -> Gate | None:
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    callback = INTEGRATION_TO_CALLBACK.get(name)
+    return library_gate(callback) if callback is not None else None
+
+
+def liger_gate() -> Gate:
+    from transformers.integrations.liger import apply_liger_kernel
+
+    return library_gate(apply_liger_kernel)
+
+
+def quantization_gate(bits: int) -> Gate:
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+
+    return library_gate(AUTO_QUANTIZER_MAPPING[f"bitsandbytes_{bits}bit"].validate_environment)
+
+
+def deepspeed_gate() -> Gate:
+    """What `accelerate launch` checks before starting DeepSpeed ranks (the same helper train.py's side needs)."""
+    from accelerate.commands.launch import deepspeed_launcher
+
+    return library_gate(deepspeed_launcher)
+
+
+# --- the checks --------------------------------------------------------------------------------------------------
+
+def optimizer_problems(optim: str) -> list[str]:
+    gate = optimizer_gate(optim)
+    if gate is None:
+        return [f"--optim {optim}: transformers {version_of('transformers')} has no handler for it. Fix: "
+                f"--optim {SAFE_OPTIMIZER}."]
+    missing = gate.missing()
+    if not missing:
+        return []
+    return [f"--optim {optim}: needs {needs_text(missing)}, which is not installed here "
+            f"({checks_text(gate, missing)}). Fix: {fix_text(missing)}, or --optim {SAFE_OPTIMIZER} "
+            "(needs nothing)."]
+
+
+def report_to_problems(report_to) -> list[str]:
+    names = [] if report_to is None else [report_to] if isinstance(report_to, str) else list(report_to)
+    if names == ["none"]:
+        return []
+    if names == ["all"]:  # what transformers expands it to (TrainingArguments already did, once parsed)
+        from transformers.integrations import get_available_reporting_integrations
+
+        names = get_available_reporting_integrations()
+    known = report_to_names()
+    problems = []
+    for name in names:
+        gate = report_to_gate(name)
+        if gate is None:
+            comma = (" One integration per value: for several, a --config YAML with report_to: "
+                     f"[{', '.join(x.strip() for x in name.split(','))}].") if "," in name else ""
+            problems.append(f"--report_to {name}: transformers {version_of('transformers')} has no such "
+                            f"integration.{comma} Fix: one of {sorted(known)}, or --report_to none.")
+            continue
+        missing = gate.missing()
+        if missing:
+            other = f"leave {name} out of report_to, or " if len(names) > 1 else ""
+            problems.append(f"--report_to {name}: needs {needs_text(missing)}, which is not available here "
+                            f"({checks_text(gate, missing)}). Fix: {fix_text(missing)}, or {other}--report_to none "
+                            "(losses go to the log and run_record.json only).")
+    return problems
+
+
+def liger_problems() -> list[str]:
+    gate = liger_gate()
+    missing = gate.missing()
+    if not missing:
+        return []
+    return [f"--use_liger_kernel True: needs {needs_text(missing)}, which is not installed here "
+            f"({checks_text(gate, missing)}; its Triton kernels also need a CUDA GPU). Fix: {fix_text(missing)} on "
+            "a GPU machine, or --use_liger_kernel False."]
+
+
+def quantization_problems(m) -> list[str]:
+    problems = []
+    for bits, flag in ((4, "use_4bit_quantization"), (8, "use_8bit_quantization")):
+        if getattr(m, flag):
+            gate = quantization_gate(bits)
+            missing = gate.missing()
+            if missing:
+                problems.append(f"--{flag} True: needs {needs_text(missing)}, which is not installed here "
+                                f"({checks_text(gate, missing)}). Fix: {fix_text(missing)} (requirements.txt "
+                                f"pins it), or --{flag} False (LoRA on the unquantized model).")
+    return problems
+
+
+def torch_compile_problems(t) -> list[str]:
+    """The backend name goes through accelerate (its DynamoBackend enum) to torch's backend registry, and the
+    registered backend function then imports what it needs (tvm); each step is checked as the libraries do it."""
+    if not t.torch_compile:
+        return []
+    from accelerate.utils import DynamoBackend
+
+    backend = str(t.torch_compile_backend or "inductor")
+    usable = sorted(b for b in (d.value.lower() for d in DynamoBackend) if b != "no" and not compile_backend_problem(b))
+    fix = f"--torch_compile_backend one of {usable} (inductor, the default, needs nothing), or --torch_compile False"
+    if backend.upper() not in DynamoBackend.__members__:
+        import accelerate
+
+        return [f"--torch_compile_backend {backend}: accelerate {accelerate.__version__} knows no such torch.compile "
+                f"backend (its DynamoBackend). Fix: {fix}."]
+    problem = compile_backend_problem(backend.lower()) if backend.lower() != "no" else None
+    if problem is None:
+        return []
+    why, install = problem
+    return [f"--torch_compile_backend {backend}: {why}. Fix: {install + ', or ' if install else ''}{fix}."]
+
+
+def compile_backend_registered(name: str) -> bool:
+    """Whether torch's backend registry (third-party entry points included) has `name`."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    try:
+        lookup_backend(name)
+        return True
+    except Exception:
+        return False
+
+
+def compile_backend_problem(name: str) -> tuple[str, str] | None:
+    """(why torch.compile(backend=name) cannot run here, what to install or ""), or None when it can."""
+    import torch
+    from torch._dynamo.backends.registry import lookup_backend
+
+    if not compile_backend_registered(name):
+        why, package = COMPILE_BACKEND_PROVIDERS.get(name, ("a package must register it with torch", ""))
+        return f"torch {torch.__version__} has no '{name}' backend here ({why})", \
+            f"pip install '{package}'" if package else ""
+    gate = library_gate(lookup_backend(name))
+    missing = gate.missing()
+    if missing:
+        return (f"torch's '{name}' backend needs {needs_text(missing)}, which is not installed here "
+                f"({checks_text(gate, missing)})", fix_text(missing))
+    return None
+
+
+def deepspeed_problems(asked_by: str, fails: str = "transformers fails while parsing the arguments") -> list[str]:
+    """`asked_by` (the flag or launcher setting) needs DeepSpeed: [] when accelerate finds it installed."""
+    gate = deepspeed_gate()
+    missing = gate.missing()
+    if not missing:
+        return []
+    return [f"{asked_by}: needs {needs_text(missing)}, which is not installed here ({checks_text(gate, missing)}; "
+            f"without it {fails}). Fix: {fix_text(missing)} (requirements-dev.txt pins the tested version), or an "
+            "FSDP config instead (configs/fsdp_config.yaml; CPU: configs/cpu/fsdp2_config.yaml)."]
+
+
+def engine_problems(deepspeed_flag, launch) -> list[str]:
+    """DeepSpeed asked for by --deepspeed or by the launcher (ACCELERATE_USE_DEEPSPEED): checked by parse_args before
+    transformers builds its arguments, which is where a missing DeepSpeed fails (a TypeError in __post_init__)."""
+    if deepspeed_flag:
+        return deepspeed_problems(f"--deepspeed {deepspeed_flag}")
+    if launch.use_deepspeed:
+        return deepspeed_problems("ACCELERATE_USE_DEEPSPEED=true (a DeepSpeed accelerate config)")
+    return []
+
+
+def optional_dependency_problems(m, t, launch) -> list[str]:
+    """Every optional package the settings imply that is missing, one problem each (validate() lists them)."""
+    problems = optimizer_problems(str(getattr(t.optim, "value", t.optim)))  # an OptimizerNames enum once parsed
+    problems += report_to_problems(t.report_to)
+    problems += liger_problems() if t.use_liger_kernel else []
+    problems += torch_compile_problems(t)
+    problems += quantization_problems(m)
+    problems += engine_problems(t.deepspeed, launch)  # parse_args asked first: transformers fails there without it
+    return problems
+
+
+def accelerate_config_problems(config_file: str) -> list[str]:
+    """The launcher's side: what `accelerate launch --config_file config_file` itself needs before any rank starts
+    (DeepSpeed: accelerate raises its own ImportError otherwise)."""
+    import yaml
+
+    with open(config_file) as f:
+        config = yaml.safe_load(f) or {}
+    if str(config.get("distributed_type", "")).upper() == "DEEPSPEED":
+        return deepspeed_problems(f"--config_file {config_file} (distributed_type: DEEPSPEED)",
+                                  "`accelerate launch` stops with its own ImportError before train.py starts")
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m sft_recipe.config.optional_deps --accelerate_config FILE: exit 2 listing what the launcher lacks."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--accelerate_config", required=True)
+    problems = accelerate_config_problems(parser.parse_args(argv).accelerate_config)
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    return 2 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,328 @@
+"""Every setting that needs an optional package is refused before any weight loads, naming flag, package and fix.
+
+The checks are read from the pinned libraries (sft_recipe/config/optional_deps.py): these tests pin that every value
+transformers/accelerate accept is either checked or known to need nothing, that the check calls the library's own
+helpers, and that each flag of issue 20 prints its message -- with the package's absence simulated by patching the
+library's helper, so the tests mean the same on a machine where the package is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sft_recipe.config import library_gates
+from sft_recipe.config import optional_deps as od
+from sft_recipe.config.args import ConfigError, parse_args
+from sft_recipe.config.launch_env import LaunchEnv
+from sft_recipe.config.validate import validate
+from tests.helpers import REPO, launch_env
+
+
+@pytest.fixture()
+def good(tiny, tmp_path, monkeypatch):
+    for key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_CPU", "ACCELERATE_USE_DEEPSPEED", "TENSORBOARD_LOGGING_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    return ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
+            "--output_dir", str(tmp_path / "out"), "--use_peft_lora", "True"]
+
+
+def _set(monkeypatch, gate: library_gates.Gate, available: bool) -> None:
+    """Make every check of `gate` answer `available`, where the library looks it up (its module's namespace)."""
+    for need in gate.needs:
+        if need.kind == "flag":
+            monkeypatch.setitem(gate.namespace, need.check, available)
+        elif need.kind == "helper":
+            monkeypatch.setitem(gate.namespace, need.check, lambda *args, **kwargs: available)
+    monkeypatch.setattr(library_gates, "module_available", lambda name: available)
+
+
+def _problems(argv) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        validate(*parse_args(argv))
+    return e.value.problems
+
+
+# --- derived from the libraries: every value they accept is checked or known to need nothing ------------------------
+
+def test_every_optimizer_transformers_accepts_is_checked_or_needs_nothing():
+    from transformers.training_args import OptimizerNames
+
+    unexplained = []
+    for name in (o.value for o in OptimizerNames):
+        gate = od.optimizer_gate(name)
+        assert gate is not None, f"transformers has no handler for --optim {name}"
+        if bool(gate.needs) == (name in od.OPTIMIZERS_NEEDING_NOTHING):
+            unexplained.append(name)
+        for need in gate.needs:  # each one names something to install, or what the library says instead
+            assert need.package and (need.install or need.note or need.kind == "module"), (name, need)
+    assert not unexplained, f"neither checked nor known to need nothing (or listed but needing a package): " \
+                            f"{unexplained}; see sft_recipe/config/optional_deps.py"
+    assert od.OPTIMIZERS_NEEDING_NOTHING <= {o.value for o in OptimizerNames}, "a listed name transformers dropped"
+
+
+def test_every_report_to_integration_is_checked():
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    for name, callback in INTEGRATION_TO_CALLBACK.items():
+        gate = od.report_to_gate(name)
+        assert gate.needs, f"--report_to {name}: {callback.__name__} checks nothing this module can read"
+        assert gate.namespace is sys.modules[callback.__module__].__dict__
+
+
+def test_every_compile_backend_accelerate_accepts_is_registered_or_explained():
+    from accelerate.utils import DynamoBackend
+
+    names = {b.value.lower() for b in DynamoBackend} - {"no"}
+    unexplained = [n for n in names if not od.compile_backend_registered(n) and n not in od.COMPILE_BACKEND_PROVIDERS]
+    assert not unexplained, f"torch registers no such backend and optional_deps does not say why: {unexplained}"
+    assert set(od.COMPILE_BACKEND_PROVIDERS) <= names, "an explained backend accelerate no longer accepts"
+
+
+def test_the_checks_are_the_libraries_own_helpers_and_versions():
+    import transformers.integrations.integration_utils as integrations
+    import transformers.utils as utils
+    from transformers.utils.import_utils import BITSANDBYTES_MIN_VERSION, TORCHAO_MIN_VERSION
+
+    (torchao,) = od.optimizer_gate("adamw_torch_4bit").needs
+    assert od.optimizer_gate("adamw_torch_4bit").namespace[torchao.check] is utils.is_torchao_available
+    assert (torchao.package, torchao.version, torchao.install) == ("torchao", TORCHAO_MIN_VERSION,
+                                                                   f"torchao>={TORCHAO_MIN_VERSION}")
+    (galore,) = od.optimizer_gate("galore_adamw").needs
+    assert galore.check == "is_galore_torch_available" and galore.install.startswith("git+https://")
+    (bnb,) = od.optimizer_gate("paged_adamw_8bit").needs
+    assert bnb.install == f"bitsandbytes>={BITSANDBYTES_MIN_VERSION}"
+    (tensorboard,) = od.report_to_gate("tensorboard").needs
+    assert integrations.__dict__[tensorboard.check] is integrations.is_tensorboard_available
+    (liger,) = od.liger_gate().needs
+    assert (liger.check, liger.install) == ("is_liger_kernel_available", "liger-kernel>=0.3.0")
+    (deepspeed,) = od.deepspeed_gate().needs
+    assert deepspeed.check == "is_deepspeed_available"  # not is_rich_available: that one only picks a traceback
+    assert {n.package for n in od.quantization_gate(4).needs} == {"accelerate", "bitsandbytes"}
+    assert [n.check for n in od.report_to_gate("flyte").needs] == ["is_flytekit_available"]  # pandas: a warning
+
+
+def test_the_real_helpers_decide(monkeypatch):
+    """Unpatched, the check says what the library says: a package here is accepted, one absent is refused."""
+    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
+    for name, module in (("tensorboard", "tensorboard"), ("wandb", "wandb"), ("trackio", "trackio")):
+        assert bool(od.report_to_problems([name])) == (importlib.util.find_spec(module) is None), name
+    assert bool(od.optimizer_problems("galore_adamw")) == (importlib.util.find_spec("galore_torch") is None)
+    assert od.optimizer_problems("adamw_torch") == [] and od.optimizer_problems("paged_adamw_8bit") == []
+
+
+def test_the_fsdp_refusal_covers_every_bitsandbytes_optimizer():
+    from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS, _get_bitsandbytes_optimizer
+
+    derived = od.bitsandbytes_optimizers()
+    assert derived == {name for name, handler in _OPTIMIZER_HANDLERS.items() if handler is _get_bitsandbytes_optimizer}
+    before = {"adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "lion_8bit", "paged_lion_8bit",
+              "paged_lion_32bit", "rmsprop_bnb_8bit", "ademamix_8bit", "paged_ademamix_8bit", "paged_ademamix_32bit"}
+    assert before <= derived  # the hand list it replaces (rmsprop_8bit there was no transformers value)
+
+
+# --- each value the check derives: refused when missing, accepted when present --------------------------------------
+
+@pytest.mark.parametrize("name", [n for n in od.optimizer_names() if n not in od.OPTIMIZERS_NEEDING_NOTHING])
+def test_each_optimizer_needing_a_package(name, monkeypatch):
+    gate = od.optimizer_gate(name)
+    _set(monkeypatch, gate, available=False)
+    (problem,) = od.optimizer_problems(name)
+    assert problem.startswith(f"--optim {name}: needs ") and "Fix: " in problem
+    assert problem.endswith("or --optim adamw_torch (needs nothing).")
+    for need in gate.needs:
+        assert need.requirement in problem and need.fix() in problem
+    _set(monkeypatch, gate, available=True)
+    assert od.optimizer_problems(name) == []
+
+
+@pytest.mark.parametrize("name", od.report_to_names())
+def test_each_report_to_integration(name, monkeypatch):
+    gate = od.report_to_gate(name)
+    _set(monkeypatch, gate, available=False)
+    (problem,) = od.report_to_problems([name])
+    assert problem.startswith(f"--report_to {name}: needs ") and "Fix: " in problem
+    assert problem.endswith("or --report_to none (losses go to the log and run_record.json only).")
+    assert all(need.fix() in problem for need in gate.needs)
+    _set(monkeypatch, gate, available=True)
+    assert od.report_to_problems([name]) == []
+
+
+def test_report_to_lists_all_and_none(monkeypatch):
+    import transformers.integrations.integration_utils as integrations
+
+    monkeypatch.setitem(od.report_to_gate("wandb").namespace, "is_wandb_available", lambda: False)
+    monkeypatch.setitem(od.report_to_gate("tensorboard").namespace, "is_tensorboard_available", lambda: True)
+    (problem,) = od.report_to_problems(["tensorboard", "wandb"])  # each value of a list
+    assert problem.startswith("--report_to wandb: needs wandb") and "leave wandb out of report_to, or" in problem
+    assert od.report_to_problems("none") == [] and od.report_to_problems(["none"]) == []
+    monkeypatch.setattr(integrations, "get_available_reporting_integrations", lambda: ["tensorboard"])
+    assert od.report_to_problems("all") == []  # all: only what transformers finds installed
+    (problem,) = od.report_to_problems(["wandb,tensorboard"])
+    assert "has no such integration. One integration per value" in problem and "[wandb, tensorboard]" in problem
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantization_needs_bitsandbytes(bits, good, monkeypatch):
+    _set(monkeypatch, od.quantization_gate(bits), available=False)
+    problems = _problems(good + [f"--use_{bits}bit_quantization", "True"])
+    assert any(p.startswith(f"--use_{bits}bit_quantization True: needs accelerate>=") and "bitsandbytes>=" in p and
+               f"or --use_{bits}bit_quantization False" in p for p in problems), problems
+
+
+def test_a_compile_backend_whose_package_is_missing(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(library_gates, "module_available", lambda name: name != "tvm")
+    (problem,) = od.torch_compile_problems(SimpleNamespace(torch_compile=True, torch_compile_backend="tvm"))
+    assert problem.startswith("--torch_compile_backend tvm: torch's 'tvm' backend needs tvm, which is not installed")
+    (problem,) = od.torch_compile_problems(SimpleNamespace(torch_compile=True, torch_compile_backend="tensorrt"))
+    assert "Fix: pip install 'torch-tensorrt', or --torch_compile_backend one of [" in problem
+    assert od.torch_compile_problems(SimpleNamespace(torch_compile=True, torch_compile_backend="inductor")) == []
+    assert od.torch_compile_problems(SimpleNamespace(torch_compile=False, torch_compile_backend=None)) == []
+
+
+# --- issue 20's flags, each with the message it prints, none loading a weight ---------------------------------------
+
+ISSUE_FLAGS = {  # flags -> (what is missing: a gate, the message validate prints)
+    "report_to tensorboard": (["--report_to", "tensorboard"], lambda: od.report_to_gate("tensorboard"),
+                              "--report_to tensorboard: needs tensorboard, which is not available here (transformers "
+                              "5.24.0's TensorBoardCallback.__init__ checks is_tensorboard_available()). Fix: pip "
+                              "install 'tensorboard', or --report_to none (losses go to the log and run_record.json "
+                              "only)."),
+    "report_to wandb": (["--report_to", "wandb"], lambda: od.report_to_gate("wandb"),
+                        "--report_to wandb: needs wandb, which is not available here (transformers 5.24.0's "
+                        "WandbCallback.__init__ checks is_wandb_available()). Fix: pip install 'wandb', or "
+                        "--report_to none (losses go to the log and run_record.json only)."),
+    "report_to trackio": (["--report_to", "trackio"], lambda: od.report_to_gate("trackio"),
+                          "--report_to trackio: needs trackio, which is not available here (transformers 5.24.0's "
+                          "TrackioCallback.__init__ checks is_trackio_available()). Fix: pip install 'trackio', or "
+                          "--report_to none (losses go to the log and run_record.json only)."),
+    "optim adamw_torch_4bit": (["--optim", "adamw_torch_4bit"], lambda: od.optimizer_gate("adamw_torch_4bit"),
+                               "--optim adamw_torch_4bit: needs torchao>=0.15.0, which is not installed here "
+                               "(transformers 5.24.0's _get_torchao_optimizer checks is_torchao_available()). Fix: "
+                               "pip install 'torchao>=0.15.0', or --optim adamw_torch (needs nothing)."),
+    "optim galore_adamw": (["--optim", "galore_adamw", "--optim_target_modules", "all-linear"],
+                           lambda: od.optimizer_gate("galore_adamw"),
+                           "--optim galore_adamw: needs galore_torch, which is not installed here (transformers "
+                           "5.24.0's _get_galore_optimizer checks is_galore_torch_available()). Fix: pip install "
+                           "'git+https://github.com/jiaweizzhao/GaLore', or --optim adamw_torch (needs nothing)."),
+    "use_liger_kernel": (["--use_liger_kernel", "True"], od.liger_gate,
+                         "--use_liger_kernel True: needs liger-kernel>=0.3.0, which is not installed here "
+                         "(transformers 5.24.0's apply_liger_kernel checks is_liger_kernel_available(); its Triton "
+                         "kernels also need a CUDA GPU). Fix: pip install 'liger-kernel>=0.3.0' on a GPU machine, or "
+                         "--use_liger_kernel False."),
+    "torch_compile_backend nonexistent": (["--torch_compile", "True", "--torch_compile_backend", "nonexistent"], None,
+                                          "--torch_compile_backend nonexistent: accelerate 1.15.0 knows no such "
+                                          "torch.compile backend (its DynamoBackend). Fix: --torch_compile_backend "
+                                          "one of ['aot_eager', "),
+}
+
+
+@pytest.mark.parametrize("name", list(ISSUE_FLAGS))
+def test_issue_flag_is_refused_before_any_weight_loads(name, good, monkeypatch, capsys):
+    """train.py's entry point, in this process, with the model loader made to fail the test if it is reached."""
+    import transformers
+
+    import train
+
+    flags, gate, message = ISSUE_FLAGS[name]
+    if gate is not None:
+        _set(monkeypatch, gate(), available=False)
+
+    def loads_a_weight(*args, **kwargs):
+        raise AssertionError("a weight was loaded before the configuration was refused")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loads_a_weight)
+    monkeypatch.setattr(train, "load_model", loads_a_weight)
+    monkeypatch.setattr(train, "load_tokenizer", loads_a_weight)
+    monkeypatch.setattr(train.compat, "install", lambda launch: None)  # process-wide library patches: not here
+    monkeypatch.setattr(sys, "argv", ["train.py", *good, *flags])
+    assert train.run(LaunchEnv()) == 2  # one process
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+def test_train_py_lists_every_missing_package_at_once(tiny, tmp_path):
+    """As a new user runs it: one process, the guide's LoRA flags, a --config carrying a report_to list. The packages'
+    absence is simulated in the child by patching the libraries' helpers (after the check read them, as the fast
+    tests do); from_pretrained exits 99 if reached."""
+    config = tmp_path / "recipe.yaml"
+    config.write_text("report_to: [tensorboard, wandb, trackio]\noptim: adamw_torch_4bit\nuse_liger_kernel: true\n")
+    patch = (
+        "import sys, runpy, transformers\n"
+        "from sft_recipe.config import optional_deps as od\n"
+        "for gate in (od.report_to_gate('tensorboard'), od.report_to_gate('wandb'), od.report_to_gate('trackio'),\n"
+        "             od.optimizer_gate('adamw_torch_4bit'), od.liger_gate()):\n"
+        "    for need in gate.needs:\n"
+        "        gate.namespace[need.check] = lambda *a, **k: False\n"
+        "def loaded(*a, **k): sys.exit(99)\n"
+        "transformers.AutoModelForCausalLM.from_pretrained = loaded\n"
+        "sys.argv = ['train.py'] + sys.argv[1:]\n"
+        "runpy.run_path('train.py', run_name='__main__')\n")
+    env = {k: v for k, v in launch_env().items() if k != "TENSORBOARD_LOGGING_DIR"}
+    proc = subprocess.run(
+        [sys.executable, "-c", patch, "--config", str(config), "--model_name_or_path", str(tiny.model_dir),
+         "--dataset_name", str(tiny.jsonl_dir), "--output_dir", str(tmp_path / "o"), "--use_peft_lora", "True",
+         "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.1", "--lora_target_modules", "all-linear",
+         "--torch_compile_backend", "nonexistent"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "6 configuration problem(s)" in proc.stderr, proc.stderr
+    for start in ("--report_to tensorboard: needs tensorboard", "--report_to wandb: needs wandb",
+                  "--report_to trackio: needs trackio", "--optim adamw_torch_4bit: needs torchao>=0.15.0",
+                  "--use_liger_kernel True: needs liger-kernel>=0.3.0", "--torch_compile_backend nonexistent:"):
+        assert start in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout and not (tmp_path / "o").exists()
+
+
+# --- DeepSpeed: train.py's side (before transformers parses) and the launcher's side --------------------------------
+
+def test_deepspeed_missing_is_named_before_transformers_parses(good, monkeypatch, tmp_path):
+    _set(monkeypatch, od.deepspeed_gate(), available=False)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ConfigError) as e:
+        parse_args(good + ["--ddp_backend", "gloo"])
+    (problem,) = [p for p in e.value.problems if "deepspeed" in p]
+    assert problem.startswith("ACCELERATE_USE_DEEPSPEED=true (a DeepSpeed accelerate config): needs deepspeed, "
+                              "which is not installed here (accelerate 1.15.0's deepspeed_launcher checks "
+                              "is_deepspeed_available(); without it transformers fails while parsing the arguments)."
+                              " Fix: pip install 'deepspeed'")
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text('{"zero_optimization": {"stage": 2}}')
+    with pytest.raises(ConfigError, match=r"--deepspeed \S+ds.json: needs deepspeed"):
+        parse_args(good + ["--deepspeed", str(ds_json)])
+
+
+def test_launcher_preflight_for_a_deepspeed_config(monkeypatch, capsys):
+    assert od.main(["--accelerate_config", str(REPO / "configs/fsdp_config.yaml")]) == 0
+    _set(monkeypatch, od.deepspeed_gate(), available=False)
+    assert od.main(["--accelerate_config", str(REPO / "configs/deepspeed_config.yaml")]) == 2
+    assert "`accelerate launch` stops with its own ImportError before train.py starts). Fix: pip install " \
+           "'deepspeed'" in capsys.readouterr().err
+
+
+def test_deepspeed_scripts_check_before_accelerate_launch(tmp_path):
+    """bash run_peft_deepspeed.sh without DeepSpeed: exit 2 with the recipe's message, accelerate never started."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "accelerate").write_text("#!/usr/bin/env bash\ntouch \"$FAKE_LAUNCHED\"\n")
+    (bin_dir / "python").write_text(  # the real interpreter, with accelerate's helper answering "not installed"
+        f"#!/usr/bin/env bash\nexec {sys.executable} -c 'import sys, accelerate.commands.launch as l; "
+        "l.is_deepspeed_available = lambda: False; from sft_recipe.config.optional_deps import main; "
+        "sys.exit(main(sys.argv[3:]))' \"$@\"\n")
+    for tool in ("accelerate", "python"):
+        (bin_dir / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(REPO),
+           "FAKE_LAUNCHED": str(tmp_path / "launched"), "OUTPUT_DIR": str(tmp_path / "o")}
+    proc = subprocess.run(["bash", "run_peft_deepspeed.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "--config_file configs/deepspeed_config.yaml (distributed_type: DEEPSPEED): needs deepspeed" in proc.stderr
+    assert not (tmp_path / "launched").exists()
