@@ -59,3 +59,16 @@ def test_scale_bench_smoke_prints_the_table_and_flat_save_slopes():
     ours_save_slope, upstream_save_slope = (float(x) for x in slope_rows[0].split("|")[4:6])
     assert abs(ours_save_slope) < 0.2 and upstream_save_slope > 0.5, slope_rows[0]  # flat vs a copy per model byte
     assert "(within 15%)" in proc.stdout  # the plan's peak RSS per rank
+
+
+def test_quantized_load_bench_smoke_measures_the_plans_bytes_and_plans_every_engine():
+    proc = _bench("bench/quantized_load.py", "--smoke")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measured = [line for line in proc.stdout.splitlines() if line.startswith("| llama-256x2 |")]
+    assert len(measured) == 1
+    ratio = float(measured[0].strip("| ").split("|")[-1])
+    assert abs(ratio - 1) < 0.02, measured  # live weight bytes after loading = the plan's quantized base
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
+    assert '{"": "cpu"}' in rows["FSDP1 (guide's config)"] and rows["FSDP1 (guide's config)"].endswith("| fits |")
+    assert rows["FSDP1, upstream's path"].endswith("| does not fit at load |")
+    assert "refused before loading" in rows["DeepSpeed ZeRO-3"]
