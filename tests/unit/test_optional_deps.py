@@ -83,6 +83,17 @@ def test_every_compile_backend_accelerate_accepts_is_registered_or_explained():
     assert set(od.COMPILE_BACKEND_PROVIDERS) <= names, "an explained backend accelerate no longer accepts"
 
 
+def test_the_docs_say_where_every_value_works():
+    """docs/integrations.md has a row for every --optim and --report_to value the pinned transformers accepts."""
+    import re
+
+    prose = re.sub(r"```.*?```", "", (REPO / "docs" / "integrations.md").read_text(), flags=re.S)
+    spans = re.findall(r"`([^`]+)`", prose)
+    named = {word for span in spans for word in span.split()}
+    missing = sorted(set(od.optimizer_names() + od.report_to_names()) - named)
+    assert not missing, f"docs/integrations.md does not say where these work: {missing}"
+
+
 def test_the_checks_are_the_libraries_own_helpers_and_versions():
     import transformers.integrations.integration_utils as integrations
     import transformers.utils as utils
