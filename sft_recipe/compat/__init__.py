@@ -76,7 +76,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
                "tests/unit/test_record.py::test_a_cpu_evaluation_does_not_change_frozen_4bit_bytes passes without "
                "it"),
     Workaround("quantized_base_device_map", "transformers", ">=5.0", "5.24.0",
-               "tests/unit/test_quantized_load.py::test_transformers_still_loads_a_quantized_base_onto_the_gpu "
+               "tests/unit/test_quantized_placement.py::test_transformers_still_loads_a_quantized_base_onto_the_gpu "
                "fails (the quantizer no longer maps a 4-bit base onto each rank's GPU under FSDP)"),
 )
 

@@ -1,7 +1,7 @@
 """A 4-bit base loaded for FSDP where the recipe puts it (the CPU: compat.quantized_base_device_map), through the
 real launcher on 2 CPU ranks.
 
-What a CPU can show (where CUDA would put tensors it cannot; tests/unit/test_quantized_load.py pins that decision):
+What a CPU can show (where CUDA would put tensors it cannot; tests/unit/test_quantized_placement.py pins that decision):
 - every rank holds the same packed bytes and quantization state as a one-process load;
 - FSDP1 and FSDP2 QLoRA (the guide's flags: NF4, double quant, bf16 storage) train as they did before the recipe
   chose the placement (transformers' quantizer placing the base), and save a verified adapter with the keys and
