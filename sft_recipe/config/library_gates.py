@@ -192,8 +192,10 @@ def version_of(library: str) -> str:
     return getattr(sys.modules.get(library), "__version__", "")
 
 
-def needs_text(missing: list[Need]) -> str:
-    return " and ".join(dict.fromkeys(n.requirement for n in missing))
+def needs_text(missing: list[Need], state: str = "installed") -> str:
+    """"torchao>=0.15.0, which is not installed here" (each requirement once)."""
+    requirements = list(dict.fromkeys(n.requirement for n in missing))
+    return f"{' and '.join(requirements)}, which {'is' if len(requirements) == 1 else 'are'} not {state} here"
 
 
 def fix_text(missing: list[Need]) -> str:

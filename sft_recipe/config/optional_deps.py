@@ -100,7 +100,7 @@ def optimizer_problems(optim: str) -> list[str]:
     missing = gate.missing()
     if not missing:
         return []
-    return [f"--optim {optim}: needs {needs_text(missing)}, which is not installed here "
+    return [f"--optim {optim}: needs {needs_text(missing)} "
             f"({checks_text(gate, missing)}). Fix: {fix_text(missing)}, or --optim {SAFE_OPTIMIZER} "
             "(needs nothing)."]
 
@@ -126,7 +126,7 @@ def report_to_problems(report_to) -> list[str]:
         missing = gate.missing()
         if missing:
             other = f"leave {name} out of report_to, or " if len(names) > 1 else ""
-            problems.append(f"--report_to {name}: needs {needs_text(missing)}, which is not available here "
+            problems.append(f"--report_to {name}: needs {needs_text(missing, 'available')} "
                             f"({checks_text(gate, missing)}). Fix: {fix_text(missing)}, or {other}--report_to none "
                             "(losses go to the log and run_record.json only).")
     return problems
@@ -137,7 +137,7 @@ def liger_problems() -> list[str]:
     missing = gate.missing()
     if not missing:
         return []
-    return [f"--use_liger_kernel True: needs {needs_text(missing)}, which is not installed here "
+    return [f"--use_liger_kernel True: needs {needs_text(missing)} "
             f"({checks_text(gate, missing)}; its Triton kernels also need a CUDA GPU). Fix: {fix_text(missing)} on "
             "a GPU machine, or --use_liger_kernel False."]
 
@@ -149,9 +149,9 @@ def quantization_problems(m) -> list[str]:
             gate = quantization_gate(bits)
             missing = gate.missing()
             if missing:
-                problems.append(f"--{flag} True: needs {needs_text(missing)}, which is not installed here "
+                problems.append(f"--{flag} True: needs {needs_text(missing)} "
                                 f"({checks_text(gate, missing)}). Fix: {fix_text(missing)} (requirements.txt "
-                                f"pins it), or --{flag} False (LoRA on the unquantized model).")
+                                f"pins the tested versions), or --{flag} False (LoRA on the unquantized model).")
     return problems
 
 
@@ -200,7 +200,7 @@ def compile_backend_problem(name: str) -> tuple[str, str] | None:
     gate = library_gate(lookup_backend(name))
     missing = gate.missing()
     if missing:
-        return (f"torch's '{name}' backend needs {needs_text(missing)}, which is not installed here "
+        return (f"torch's '{name}' backend needs {needs_text(missing)} "
                 f"({checks_text(gate, missing)})", fix_text(missing))
     return None
 
@@ -211,7 +211,7 @@ def deepspeed_problems(asked_by: str, fails: str = "transformers fails while par
     missing = gate.missing()
     if not missing:
         return []
-    return [f"{asked_by}: needs {needs_text(missing)}, which is not installed here ({checks_text(gate, missing)}; "
+    return [f"{asked_by}: needs {needs_text(missing)} ({checks_text(gate, missing)}; "
             f"without it {fails}). Fix: {fix_text(missing)} (requirements-dev.txt pins the tested version), or an "
             "FSDP config instead (configs/fsdp_config.yaml; CPU: configs/cpu/fsdp2_config.yaml)."]
 
