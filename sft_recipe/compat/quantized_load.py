@@ -23,8 +23,9 @@ def quantized_base_device_map(model_args, launch) -> dict[str, str] | None:
     `Params4bit.to` moves the quantization state with the packed bytes without quantizing again. Cost: CPU
     quantization time (planned: `sft_recipe.plan`), and one 4-bit copy per rank in host RAM until it is sharded.
     One process and DDP keep the quantizer's map (this rank's GPU): there the whole model trains on each GPU anyway.
-    When it can go: `tests/unit/test_quantized_placement.py::test_transformers_still_loads_a_quantized_base_onto_the_gpu`
-    fails (the quantizer no longer maps a quantized base onto the GPU under FSDP).
+    When it can go: `tests/unit/test_quantized_placement.py::
+    test_transformers_still_loads_a_quantized_base_onto_the_gpu` fails (the quantizer no longer maps a quantized base
+    onto the GPU under FSDP).
     """
     if not (model_args.use_4bit_quantization or model_args.use_8bit_quantization):
         return None
