@@ -81,7 +81,7 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
         train_dataset=datasets["train"],
         eval_dataset=datasets.get("test"),
         processing_class=tokenizer,
-        peft_config=lora_config(model_args, new_token_ids),
+        peft_config=lora_config(model_args, new_token_ids, training_args.trust_remote_code),
         verify_adapter=recipe_args.verify_adapter,
     )
     data_report.confirm(report, trainer.train_dataset, training_args.output_dir, launch.is_main_process)

@@ -18,7 +18,8 @@ def create_and_prepare_model(args, data_args, training_args):
     del data_args
     tokenizer = load_tokenizer(args, training_args.trust_remote_code)
     model = load_model(args, training_args, tokenizer, read_launch_env())  # the launcher decides who reads weights
-    return model, lora_config(args, added_token_ids(args, tokenizer, training_args.trust_remote_code)), tokenizer
+    new_token_ids = added_token_ids(args, tokenizer, training_args.trust_remote_code)
+    return model, lora_config(args, new_token_ids, training_args.trust_remote_code), tokenizer
 
 
 def create_datasets(tokenizer, data_args, training_args, apply_chat_template=False):

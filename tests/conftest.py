@@ -45,3 +45,12 @@ def format_datasets(tiny, tmp_path_factory):
             rows = [tiny_conversation_as(fmt, m, tokenizer) for m in load_conversations(tiny, split)]
             (folders[fmt] / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folders
+
+
+@pytest.fixture(scope="session")
+def family_model(tiny, tmp_path_factory):
+    """family -> folder of a tiny random model of that family (sft_recipe.tiny.families), built on first use."""
+    from sft_recipe.tiny.families import build_family_model
+
+    root = tmp_path_factory.mktemp("families")
+    return lambda family: build_family_model(root, tiny.root, family)

@@ -173,6 +173,7 @@ def _write_and_check(trainer, state_dict, output_dir: str, verify: bool, trust_r
     if isinstance(model, PeftModel):
         # Always save through clean module names (a no-op for unwrapped names); say when it mattered, so the
         # workaround can be dropped once peft stops needing it.
+        embeddings = compat.save_embedding_layers_for(model, trust_remote_code)
         plain = _count_lora_keys(get_peft_model_state_dict(model, state_dict=state_dict))
         with compat.module_names_without_fsdp_segments(model):
             fixed = _count_lora_keys(get_peft_model_state_dict(model, state_dict=state_dict))
@@ -181,7 +182,7 @@ def _write_and_check(trainer, state_dict, output_dir: str, verify: bool, trust_r
                 # newer peft is what says the workaround can go.
                 logger.info("adapter keys needed the FSDP1 name fix: peft found %d LoRA tensors, %d with clean "
                             "module names (peft 0.21 bug, see sft_recipe/compat)", plain, fixed)
-            model.save_pretrained(str(tmp), state_dict=state_dict)
+            model.save_pretrained(str(tmp), state_dict=state_dict, save_embedding_layers=embeddings)
     else:
         model.save_pretrained(str(tmp), state_dict=state_dict)
     if trainer.processing_class is not None:

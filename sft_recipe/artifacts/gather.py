@@ -38,7 +38,8 @@ def adapter_state_keys(peft_model) -> list[str]:
     skeleton = {key: torch.empty(0, device="meta") for key in peft_model.state_dict(keep_vars=True)}
     key_of = {id(placeholder): key for key, placeholder in skeleton.items()}
     with compat.module_names_without_fsdp_segments(peft_model):
-        selected = get_peft_model_state_dict(peft_model, state_dict=skeleton)
+        selected = get_peft_model_state_dict(peft_model, state_dict=skeleton,
+                                             save_embedding_layers=compat.save_embedding_layers_for(peft_model))
     return sorted(key_of[id(value)] for value in selected.values())
 
 
@@ -137,7 +138,10 @@ def _gather_fsdp1(accelerator, wrapped_model, keys):
         with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=True, offload_to_cpu=on_gpu):
             if accelerator.is_main_process:
                 prefix = f"{name}." if name else ""
-                for local, tensor in [*unit.named_parameters(), *unit.named_buffers()]:
+                # remove_duplicate=False: a tied output head is the embedding's parameter under a second name, and
+                # PEFT saves both keys (as the one-process save does).
+                named = [*unit.named_parameters(remove_duplicate=False), *unit.named_buffers(remove_duplicate=False)]
+                for local, tensor in named:
                     key = prefix + compat.strip_wrapper_segments(local)
                     if key in wanted:
                         out[key] = tensor.detach().clone().cpu()
@@ -151,9 +155,9 @@ def _gather_deepspeed(accelerator, wrapped_model, keys):
     import deepspeed
 
     model = accelerator.unwrap_model(wrapped_model)
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    wanted = [params[key] for key in keys if key in params]
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied head under its own name too
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    wanted = list({id(params[key]): params[key] for key in keys if key in params}.values())  # each tensor once
     out = {}
     with deepspeed.zero.GatheredParameters(wanted, modifier_rank=None):
         if accelerator.is_main_process:

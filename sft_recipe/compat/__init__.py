@@ -26,7 +26,9 @@ from sft_recipe.compat.accelerate_fsdp import (
     enable_fsdp_on_cpu,
     gather_full_state_dict,
     init_optimizer_state_before_fsdp1_load,
+    keep_present_no_split_modules,
 )
+from sft_recipe.compat.peft_embeddings import save_embedding_layers_for
 from sft_recipe.compat.peft_names import (
     fsdp1_checkpoint_model_io_with_clean_names,
     module_names_without_fsdp_segments,
@@ -74,6 +76,11 @@ WORKAROUNDS: tuple[Workaround, ...] = (
                "bench/parity.py in a loop (about 80 launches) shows no SIGABRT without it"),
     Workaround("restore_bnb_4bit_storage_layout", "bitsandbytes", ">=0.49", "0.50.2",
                "tests/unit/test_record.py::test_a_cpu_evaluation_does_not_change_frozen_4bit_bytes passes without "
+               "it"),
+    Workaround("keep_present_no_split_modules", "accelerate", ">=1.0", "1.15.0",
+               "the gemma3-multimodal FSDP2 cell of tests/e2e/test_families.py wraps without it"),
+    Workaround("save_embedding_layers_for", "peft", ">=0.21", "0.21.2",
+               "the gemma3-multimodal cell of tests/e2e/test_families.py saves the resized embedding rows without "
                "it"),
     Workaround("quantized_base_device_map", "transformers", ">=5.0", "5.24.0",
                "tests/unit/test_quantized_placement.py::test_transformers_still_loads_a_quantized_base_onto_the_gpu "
@@ -157,8 +164,9 @@ def installed() -> bool:
 
 __all__ = [
     "TRAINER_OVERRIDES", "WORKAROUNDS", "enable_fsdp_on_cpu", "exit_skipping_teardown", "gather_full_state_dict",
-    "init_optimizer_state_before_fsdp1_load", "install", "installed", "module_names_without_fsdp_segments",
-    "quantized_base_device_map",
+    "init_optimizer_state_before_fsdp1_load", "install", "installed", "keep_present_no_split_modules",
+    "module_names_without_fsdp_segments",
+    "quantized_base_device_map", "save_embedding_layers_for",
     "restore_bnb_4bit_storage_layout", "strip_wrapper_segments", "trainable_tokens_lm_head_bias",
     "trainer_override_drift",
 ]

@@ -105,3 +105,24 @@ def init_optimizer_state_before_fsdp1_load(optimizer) -> None:
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     _init_optim_state(optimizer)
+
+
+def keep_present_no_split_modules(model) -> list[str]:
+    """Drop from the model's `_no_split_modules` the layer classes it does not contain; returns the dropped names.
+
+    Bug (accelerate 1.15 `FullyShardedDataParallelPlugin.set_auto_wrap_policy`, and peft 0.21's
+    `fsdp_auto_wrap_policy` that transformers' Trainer applies): TRANSFORMER_BASED_WRAP wraps the classes named in
+    `model._no_split_modules` and raises "Could not find the transformer layer class X in the model" for one that is
+    absent. transformers 5 collects that list from every sub-model a composite model may hold: a multimodal
+    checkpoint (Gemma-3 4B+) lists `SiglipTextEmbeddings`, which its vision tower does not have, so FSDP wrapping
+    failed after the model had loaded. The present classes (the decoder layer among them) still wrap as before.
+    When it can go: the gemma3-multimodal FSDP2 cell of tests/e2e/test_families.py wraps without it.
+    """
+    names = getattr(model, "_no_split_modules", None)
+    if not names:
+        return []
+    present = {type(module).__name__ for module in model.modules()}
+    dropped = sorted(name for name in names if name not in present)
+    if dropped:
+        model._no_split_modules = sorted(name for name in names if name in present)  # this instance only
+    return dropped

@@ -43,7 +43,13 @@ class ModelArguments:
     lora_r: int = field(default=64)
     lora_target_modules: str = field(
         default="q_proj,k_proj,v_proj,o_proj,down_proj,up_proj,gate_proj",
-        metadata={"help": "Comma-separated module names to adapt, or 'all-linear'."},
+        metadata={"help": "Comma-separated module names to adapt, or 'all-linear' (every linear layer but the output "
+                          "head; on MoE models the attention and shared projections, not the experts or router)."},
+    )
+    lora_target_parameters: str = field(
+        default="",
+        metadata={"help": "Comma-separated fused MoE expert parameters to adapt as well (PEFT target_parameters), e.g. "
+                          "`experts.gate_up_proj,experts.down_proj`; needs --lora_dropout 0."},
     )
     use_dora: bool = field(
         default=False,

@@ -348,10 +348,12 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,
                         ".tiny`).")
     if not any("--model_name_or_path" in p for p in problems):
         from sft_recipe.config.load_checks import zero3_quantized_load_problems
+        from sft_recipe.train.architecture import architecture_problems
         from sft_recipe.train.gptq import gptq_problems
 
         problems += _lora_target_problems(m, t)
         problems += gptq_problems(m, t, launch)
         problems += zero3_quantized_load_problems(m, d, t, launch)  # needs the model's config
+        problems += architecture_problems(m, t.trust_remote_code)  # attention and MoE targets this family allows
     if problems:
         raise ConfigError(problems)

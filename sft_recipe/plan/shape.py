@@ -106,8 +106,13 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
             "for Llama-2-70B, or log in / go online for a Hub id."]) from None
     if extra_vocab:
         model.resize_token_embeddings(model.get_input_embeddings().weight.shape[0] + extra_vocab, mean_resizing=False)
+    from sft_recipe.train.architecture import NON_TEXT_PARTS, text_decoder_prefix
+
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    # The decoder's layers: a multimodal checkpoint's vision/audio encoder layers count with the rest (root).
+    prefix = text_decoder_prefix(model)
+    layers = [m for name, m in model.named_modules() if type(m).__name__ in layer_classes and name.startswith(prefix)
+              and not any(part in name.split(".") for part in NON_TEXT_PARTS)]
     if not layers:
         raise ConfigError([f"--model_name_or_path {model_name_or_path}: no decoder layer class found "
                            f"(_no_split_modules={sorted(layer_classes)}); the planner needs a transformer with "

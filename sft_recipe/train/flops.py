@@ -4,8 +4,9 @@ Model FLOPs per trained token (the formula behind `mfu`), with N = all weights o
 L layers, d hidden size, S sequence length:
     forward 2N + backward through activations 2N + weight gradients 2N_t (+ 2N recompute with gradient checkpointing)
     + attention scores 12*L*d*S (4*L*d*S forward, twice that backward; + 4*L*d*S with recompute).
-Frozen weights need no weight gradient, so LoRA costs ~4N per token rather than full fine-tuning's 6N. Quantized base
-weights count as N too: they are dequantized and multiplied at full size. `mfu` = achieved FLOPs per second per device
+Frozen weights need no weight gradient, so LoRA costs ~4N per token rather than full fine-tuning's 6N. In a
+mixture-of-experts model N counts each expert layer's active fraction (top-k / experts). Quantized base weights count
+as N too: they are dequantized and multiplied at full size. `mfu` = achieved FLOPs per second per device
 / the device's peak dense bf16 FLOPs; it is an estimate (packing makes S the packed length, an upper bound for
 attention).
 """
@@ -51,14 +52,28 @@ class FlopsModel:
         return float(dense + attention)
 
 
+def active_expert_fraction(config) -> float:
+    """Of a mixture-of-experts layer's expert weights, the fraction each token multiplies: top-k / experts
+    (Mixtral: 2 of 8; Qwen3-MoE: 8 of 128); 1 for a dense model."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    return top_k / experts if experts and top_k else 1.0
+
+
 def count_params(model) -> tuple[int, int]:
-    """(all weights, trainable) as the model's user sees them: 4-bit packed weights count their real element count."""
+    """(weights each token multiplies, trainable) as the model's user sees them: 4-bit packed weights count their real
+    element count; fused MoE expert weights (3-D: experts x out x in) count their active fraction, since only the
+    routed experts run for a token (the memory plan counts all of them: they are all held)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    active = active_expert_fraction(config)
     total = trainable = 0
     for p in model.parameters():
         numel = p.numel()
         quant_state = getattr(p, "quant_state", None)
         if quant_state is not None and getattr(quant_state, "shape", None) is not None:
             numel = int(torch.Size(quant_state.shape).numel())
+        if p.dim() == 3:
+            numel = int(numel * active)
         total += numel
         trainable += numel if p.requires_grad else 0
     return total, trainable

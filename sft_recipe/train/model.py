@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from sft_recipe.compat import quantized_base_device_map
+from sft_recipe.compat import keep_present_no_split_modules, quantized_base_device_map
 from sft_recipe.config.args import ModelArguments
 from sft_recipe.measure import live_tensor_mib, quant_state_tensors
+from sft_recipe.train.architecture import attention_implementation, attention_note, lora_target_parameters, lora_targets
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +111,11 @@ def model_dtype(model_args: ModelArguments) -> torch.dtype:
     return torch.float32
 
 
-def attn_implementation(model_args: ModelArguments) -> str:
-    return "flash_attention_2" if model_args.use_flash_attn else "sdpa"
+def attention_kwargs(model_args: ModelArguments) -> dict:
+    """`attn_implementation` for from_pretrained/from_config: only when flash-attn is asked; otherwise transformers
+    picks the best its model class supports (SDPA, or eager where the model requires it: Gemma-2)."""
+    implementation = attention_implementation(model_args)
+    return {"attn_implementation": implementation} if implementation else {}
 
 
 def flash_attn_problem() -> str | None:
@@ -132,6 +136,7 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, launch):
     if weights_arrive_from_rank0(model_args, launch, training_args.trust_remote_code):
         model = model_without_weights(model_args, training_args.trust_remote_code)
         fit_embeddings_to_tokenizer(model, tokenizer)
+        keep_present_no_split_modules(model)  # what FSDP wraps: the layer classes this model has
         return model
     # quantization_config only when quantizing here: transformers 5.24 treats an explicit None as "load unquantized",
     # so a pre-quantized (GPTQ) checkpoint would load as plain Linear layers with random weights, no error.
@@ -147,13 +152,16 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, launch):
             **({"quantization_config": quantization} if quantization is not None else
                loading_kwargs(model_args, training_args.trust_remote_code)),
             **({"device_map": device_map} if device_map is not None else {}),
+            **attention_kwargs(model_args),
             dtype=model_dtype(model_args),
-            attn_implementation=attn_implementation(model_args),
             trust_remote_code=training_args.trust_remote_code,
         )
-    if device_map is not None and launch.is_main_process:
-        logger.info(quantized_load_note(model, launch, time.perf_counter() - started, threads))
+    if launch.is_main_process:
+        logger.info(attention_note(model))
+        if device_map is not None:
+            logger.info(quantized_load_note(model, launch, time.perf_counter() - started, threads))
     fit_embeddings_to_tokenizer(model, tokenizer)
+    keep_present_no_split_modules(model)  # what FSDP wraps: the layer classes this model has
     return model
 
 
@@ -224,8 +232,7 @@ def model_without_weights(model_args: ModelArguments, trust_remote_code: bool = 
 
     config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=trust_remote_code)
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, dtype=model_dtype(model_args),
-                                                attn_implementation=attn_implementation(model_args),
+        return AutoModelForCausalLM.from_config(config, dtype=model_dtype(model_args), **attention_kwargs(model_args),
                                                 trust_remote_code=trust_remote_code)
 
 
@@ -238,15 +245,19 @@ def materialize_meta_parameters(model) -> int:
     rank stopped updating its shards (measured: losses drifted from the second step, exit code 0). `torch.empty`
     storage is never written before accelerate replaces it with rank 0's weights, so its pages stay unresident:
     host RAM is not spent. This is the state accelerate expects ("non-main ranks only have torch.empty").
+    Tied parameters stay tied: a parameter shared by several modules (the input embedding and the output head of
+    Gemma, Llama-3.2, small Qwen) gets one new storage, registered under every name. Untying them on these ranks
+    alone made accelerate's FSDP2 preparation miss `lm_head.weight` after wrapping, which rank 0 (tied) never had.
     """
-    count = 0
+    replaced: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.device.type == "meta":
-                empty = torch.empty_like(param, device="cpu")
-                module.register_parameter(name, torch.nn.Parameter(empty, requires_grad=param.requires_grad))
-                count += 1
-    return count
+                if id(param) not in replaced:
+                    empty = torch.empty_like(param, device="cpu")
+                    replaced[id(param)] = torch.nn.Parameter(empty, requires_grad=param.requires_grad)
+                module.register_parameter(name, replaced[id(param)])
+    return len(replaced)
 
 
 def meta_model(model_name_or_path: str, trust_remote_code: bool = False):
@@ -312,7 +323,7 @@ def _comma_list(value: str) -> list[str]:
     return [m.strip() for m in value.split(",") if m.strip()]
 
 
-def lora_config(model_args: ModelArguments, new_token_ids: list[int] | None = None):
+def lora_config(model_args: ModelArguments, new_token_ids: list[int] | None = None, trust_remote_code: bool = False):
     """The LoRA config SFTTrainer wraps the model with, or None for full fine-tuning.
 
     `new_token_ids` (with --train_new_tokens): PEFT trainable tokens on the input embedding and the output layer, so
@@ -332,7 +343,8 @@ def lora_config(model_args: ModelArguments, new_token_ids: list[int] | None = No
         r=model_args.lora_r,
         lora_alpha=model_args.lora_alpha,
         lora_dropout=model_args.lora_dropout,
-        target_modules=lora_target_modules(model_args),
+        target_modules=lora_targets(model_args, trust_remote_code),  # what all-linear means for this family
+        target_parameters=lora_target_parameters(model_args),
         use_dora=model_args.use_dora,
         modules_to_save=modules_to_save,
         trainable_token_indices=trainable_tokens,

@@ -1,0 +1,144 @@
+"""The model families people fine-tune, through the real launcher: each cell trains with the guide's LoRA flags
+(all-linear, r 8, dropout 0.1, chatml), saves a verified adapter that AutoPeftModelForCausalLM loads, and merges.
+
+Tiny random models from each family's own config class (sft_recipe.tiny.families). The cells are the ones whose code
+paths differ (the full product family x engine would cost ~15 minutes):
+- tied input/output embeddings (Qwen2) on every engine: FSDP2 with cpu_ram_efficient_loading (ranks > 0 build on the
+  meta device: the tie must survive), FSDP1 and ZeRO-3 (the adapter-only gather must find the tied head), and one
+  process as the reference the sharded adapters must equal; QLoRA on FSDP2; resume on FSDP1 and FSDP2;
+- Llama-3.2's shape (tied, head_dim != hidden/heads) on FSDP2;
+- Gemma-2 (eager attention, soft-capping: transformers' choice, said in the log) on FSDP2;
+- a multimodal checkpoint trained on text (Gemma-3 with a vision tower, text config nested) on FSDP2: only the
+  language model is adapted, its wrap classes exist, and its resized vocabulary is saved;
+- fused MoE experts: Mixtral on FSDP1 with the guide's dropout (attention adapted), Qwen3-MoE in one process with
+  the experts named (--lora_target_parameters, dropout 0);
+- non-Llama layouts: GPT-NeoX on FSDP1, Phi-3 (fused qkv/gate_up) in one process.
+Dropped as duplicates of the paths above: Mistral, Qwen3 and Gemma-3 text (Llama/Qwen2-shaped decoder layers; their
+one-process runs were checked by hand), and the families' one-process runs whose FSDP cell runs here.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import QLORA_FLAGS, RELATIVE_TOLERANCE, launch_env, launch_train
+
+GUIDE = ["--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.1",
+         "--lora_target_modules", "all-linear", "--chat_template_format", "chatml", "--max_seq_len", "64",
+         "--per_device_train_batch_size", "2", "--logging_steps", "1", "--learning_rate", "3e-3", "--packing", "True",
+         "--report_to", "none", "--eval_strategy", "no", "--seed", "7", "--bf16", "False"]
+STEPS = ["--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2"]
+NO_DROPOUT = ["--lora_dropout", "0.0"]  # where adapters are compared across engines: dropout masks differ per rank
+CONFIGS = {"single": "cpu/single.yaml", "fsdp1": "cpu/fsdp_config.yaml", "fsdp2": "cpu/fsdp2_config.yaml",
+           "zero3": "cpu/deepspeed_config.yaml"}
+
+# cell -> (family, engine, extra flags)
+CELLS = {
+    "qwen2-single": ("qwen2", "single", [*NO_DROPOUT, "--per_device_train_batch_size", "4"]),
+    "qwen2-fsdp2": ("qwen2", "fsdp2", NO_DROPOUT),
+    "qwen2-fsdp1": ("qwen2", "fsdp1", NO_DROPOUT),
+    "qwen2-zero3": ("qwen2", "zero3", [*NO_DROPOUT, "--ddp_backend", "gloo"]),
+    "qwen2-qlora-fsdp2": ("qwen2", "fsdp2", QLORA_FLAGS),
+    "llama-tied-fsdp2": ("llama-tied", "fsdp2", []),
+    "gemma2-fsdp2": ("gemma2", "fsdp2", []),
+    "gemma3-multimodal-fsdp2": ("gemma3-multimodal", "fsdp2", []),
+    "mixtral-fsdp1": ("mixtral", "fsdp1", []),
+    "qwen3-moe-experts-single": ("qwen3-moe", "single", [*NO_DROPOUT, "--lora_target_parameters",
+                                                          "experts.gate_up_proj,experts.down_proj"]),
+    "gpt-neox-fsdp1": ("gpt-neox", "fsdp1", []),
+    "phi3-single": ("phi3", "single", []),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(family_model, tiny, tmp_path_factory):
+    results = {}
+    for cell, (family, engine, extra) in CELLS.items():
+        env = launch_env(cpu_switch=engine != "zero3")  # DeepSpeed on CPU: gloo, without the CPU switch
+        out = tmp_path_factory.mktemp(cell)
+        results[cell] = launch_train(CONFIGS[engine], out, ["--model_name_or_path", str(family_model(family)),
+                                                            "--dataset_name", str(tiny.jsonl_dir), *GUIDE, *STEPS,
+                                                            *extra], env=env)
+    return results
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_each_family_trains_saves_a_verified_adapter_that_loads_and_merges(runs, cell, tmp_path):
+    from peft import AutoPeftModelForCausalLM
+
+    from sft_recipe.merge import merge_adapter
+
+    result = runs[cell]
+    assert result.returncode == 0, result.output[-5000:]
+    assert "adapter check OK" in result.output
+    assert "Traceback" not in result.output
+    losses = result.record["training"]["losses"]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    assert result.record["weights"]["frozen_changed"] is False and result.record["weights"]["trainable_changed"]
+    model = AutoPeftModelForCausalLM.from_pretrained(str(result.output_dir))
+    saved = load_file(str(result.output_dir / "adapter_model.safetensors"))
+    loaded = {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+    assert sum(".lora_" in k for k in saved) == len(loaded) > 0
+    merged = merge_adapter(str(result.output_dir), str(tmp_path / "merged"), log=lambda *a: None)
+    assert "check OK" in merged.summary()
+
+
+def test_attention_is_the_families_own_and_said_once(runs):
+    assert "attention: eager for Gemma2ForCausalLM" in runs["gemma2-fsdp2"].output
+    assert "attention: sdpa for LlamaForCausalLM" in runs["llama-tied-fsdp2"].output
+    assert runs["gemma2-fsdp2"].output.count("attention: eager") == 1  # the main process says it
+
+
+@pytest.mark.parametrize("cell", ["qwen2-fsdp2", "qwen2-fsdp1", "qwen2-zero3"])
+def test_a_tied_models_sharded_adapter_is_the_one_process_adapter(runs, cell):
+    """Same seed and global batch (4 rows a step: one process x 4, 2 ranks x 2), no dropout: the sharded save holds
+    what PEFT's own unsharded save holds -- the tied head's key included -- with the same values."""
+    single = load_file(str(runs["qwen2-single"].output_dir / "adapter_model.safetensors"))
+    sharded = load_file(str(runs[cell].output_dir / "adapter_model.safetensors"))
+    assert sharded.keys() == single.keys()
+    assert {"base_model.model.lm_head.weight", "base_model.model.model.embed_tokens.weight"} <= set(single)
+    head, embedding = "base_model.model.lm_head.weight", "base_model.model.model.embed_tokens.weight"
+    assert torch.equal(sharded[head], sharded[embedding])  # still one tensor under two names
+    for key, tensor in sharded.items():
+        torch.testing.assert_close(tensor, single[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_moe_adapts_attention_by_default_and_experts_only_when_named(runs):
+    default = load_file(str(runs["mixtral-fsdp1"].output_dir / "adapter_model.safetensors"))
+    assert not any(".mlp." in k for k in default)  # neither experts nor router under all-linear
+    named = load_file(str(runs["qwen3-moe-experts-single"].output_dir / "adapter_model.safetensors"))
+    assert any("experts" in k and "lora_" in k for k in named)
+    assert not any(".gate." in k for k in named)  # the router stays untouched
+
+
+def test_a_multimodal_checkpoint_adapts_its_language_model_and_keeps_its_resized_vocabulary(runs):
+    saved = load_file(str(runs["gemma3-multimodal-fsdp2"].output_dir / "adapter_model.safetensors"))
+    lora = [k for k in saved if ".lora_" in k]
+    assert lora and all("language_model" in k for k in lora)
+    rows = {k: v.shape[0] for k, v in saved.items() if ".lora_" not in k}
+    assert rows and set(rows.values()) == {555}  # 552 + chatml's 3 tokens: the rows the adapter was trained with
+
+
+@pytest.mark.parametrize("cell", ["qwen2-fsdp2", "qwen2-fsdp1"])
+def test_a_tied_model_resumes_from_its_checkpoint_to_the_same_adapter(runs, cell, family_model, tiny, tmp_path):
+    full = runs[cell]
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(full.output_dir / "checkpoint-2", resumed_dir / "checkpoint-2")
+    family, engine, extra = CELLS[cell]
+    resumed = launch_train(CONFIGS[engine], resumed_dir, ["--model_name_or_path", str(family_model(family)),
+                                                          "--dataset_name", str(tiny.jsonl_dir), *GUIDE, *STEPS,
+                                                          *extra, "--resume_from_checkpoint", "latest"])
+    assert resumed.returncode == 0, resumed.output[-5000:]
+    a, b = full.record["training"]["losses"], resumed.record["training"]["losses"]
+    for step in (2, 3):  # steps 3 and 4 ran after the resume
+        assert abs(a[step] - b[step]) <= RELATIVE_TOLERANCE * abs(a[step]), (step + 1, a, b)
+    final_a = load_file(str(full.output_dir / "adapter_model.safetensors"))
+    final_b = load_file(str(resumed_dir / "adapter_model.safetensors"))
+    assert final_a.keys() == final_b.keys()
+    for key in final_a:
+        torch.testing.assert_close(final_b[key], final_a[key], rtol=RELATIVE_TOLERANCE, atol=1e-6, msg=key)
