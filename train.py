@@ -20,8 +20,9 @@ import transformers  # lazy: its submodules load after sft_recipe set the librar
 
 from sft_recipe import compat
 from sft_recipe.artifacts.adapter import save_final_adapter
-from sft_recipe.artifacts.checkpoints import move_previous_run_aside, resolve_resume
+from sft_recipe.artifacts.checkpoints import move_damaged_aside, move_previous_run_aside, resolve_resume
 from sft_recipe.config.args import ConfigError, parse_args
+from sft_recipe.config.file_checks import check_tokenizer
 from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
 from sft_recipe.config.validate import validate
 from sft_recipe.data import report as data_report
@@ -48,6 +49,7 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
     if recipe_args.plan_memory_gib:  # will it fit? answered from the model config alone, then exit
         print_memory_plan_and_exit(model_args, data_args, recipe_args, training_args, launch)
     resume_from = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)[0]
+    move_damaged_aside(training_args.output_dir, resume_from, launch.is_main_process)  # not written over by this run
     if recipe_args.overwrite_output_dir and not resume_from and launch.is_main_process:
         move_previous_run_aside(training_args.output_dir)
     transformers.set_seed(training_args.seed)
@@ -55,6 +57,7 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
     # 2. Tokenizer (it carries the chat template the data needs) and data: format recognised, every row checked,
     #    converted for TRL, measured as TRL will tokenize it -- all before any weight is loaded.
     tokenizer = load_tokenizer(model_args, training_args.trust_remote_code)
+    check_tokenizer(model_args, tokenizer, resume_from, training_args.trust_remote_code)  # fits model, checkpoint
     data = prepare(read_splits(data_args), data_args, training_args.dataset_text_field, tokenizer,
                    assistant_only_loss=training_args.assistant_only_loss)
     for note in data.notes:  # the format each split was recognised as, and what TRL is given

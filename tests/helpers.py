@@ -234,3 +234,33 @@ def tiny_conversation_as(fmt: str, messages: list[dict], tokenizer=None) -> dict
         return {"prompt": tokenizer.apply_chat_template(context, add_generation_prompt=True, tokenize=False),
                 "completion": answer["content"]}
     raise ValueError(fmt)
+
+
+# The guide's LoRA flags, a two-step CPU run: the damaged-file tests run train.py with them.
+GUIDE_LORA = ["--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules", "all-linear",
+              "--max_steps", "2", "--report_to", "none", "--bf16", "False", "--eval_strategy", "no"]
+
+
+class WeightsLoaded(Exception):
+    """Raised by `run_train_in_process` instead of loading weights: the run got past every check."""
+
+
+def run_train_in_process(argv: list[str], monkeypatch, capsys) -> tuple[object, str]:
+    """(exit code, or "weights" where the run reached `from_pretrained`; stderr) of train.py's entry point run in
+    this process with `from_pretrained` replaced by a tripwire: what is refused before any weight loads, and how."""
+    from transformers import AutoModelForCausalLM
+
+    import train
+    from sft_recipe.config.launch_env import LaunchEnv
+
+    def tripwire(*args, **kwargs):
+        raise WeightsLoaded
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", tripwire)
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    capsys.readouterr()
+    try:
+        code = train.run(LaunchEnv())
+    except WeightsLoaded:
+        code = "weights"
+    return code, capsys.readouterr().err

@@ -1,17 +1,23 @@
 """Which checkpoints are complete, which one to resume from, and what a previous run left in `output_dir`.
 
 A checkpoint folder is complete once every rank has written its shards and the main process has written the
-marker file last; a run killed mid-save leaves a folder without it, which resume skips.
+marker file last; a run killed mid-save leaves a folder without it, which resume skips. The marker records the size
+of every file and the SHA-256 of the small ones (`integrity.file_records`), and what the run was (base model,
+tokenizer size, LoRA shape: `resume_match`), so that a damaged checkpoint and a resume with other settings are both
+found before anything loads.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import time
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "checkpoint_complete.json"
 LATEST = "latest"  # --resume_from_checkpoint latest: the newest complete checkpoint in output_dir
@@ -19,14 +25,47 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
 def mark_complete(checkpoint_dir: str | os.PathLike, global_step: int, world_size: int | None = None,
-                  global_batch_size: int | None = None) -> None:
+                  global_batch_size: int | None = None, run: dict | None = None) -> None:
     """Write the marker last. It also records how the run was laid out, so that a resume on another number of
-    ranks can be checked before anything loads (`resume_layout_problems`)."""
+    ranks can be checked before anything loads (`resume_layout_problems`); every file's size (and the small ones'
+    checksums), so that damage is found before anything loads (`checkpoint_damage`); and `run`, what was trained
+    (`resume_match.run_identity`), so that a resume with another base, tokenizer or LoRA shape is refused."""
+    from sft_recipe.artifacts.integrity import file_records
     from sft_recipe.artifacts.state_io import write_atomically
 
     marker = json.dumps({"global_step": global_step, "time": time.time(), "world_size": world_size,
-                         "global_batch_size": global_batch_size})
+                         "global_batch_size": global_batch_size, "run": run,
+                         "files": file_records(checkpoint_dir, skip=(COMPLETE_MARKER,))})
     write_atomically(Path(checkpoint_dir) / COMPLETE_MARKER, lambda tmp: tmp.write_text(marker))
+
+
+def read_marker(checkpoint_dir: str | os.PathLike) -> dict:
+    """The completeness marker's content ({} where it is missing or unreadable)."""
+    try:
+        marker = json.loads((Path(checkpoint_dir) / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
+
+
+def checkpoint_damage(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """What is wrong with a complete checkpoint's files (empty: intact), found without loading any of them: files
+    missing or of another size than recorded, small files whose checksum changed, safetensors files shorter or longer
+    than their header says, JSON files that do not parse. Markers of earlier versions record no files: their
+    safetensors and JSON files are still checked, and trainer_state.json must be there."""
+    from sft_recipe.artifacts.integrity import content_problems, json_problem, recorded_file_problems
+
+    path = Path(checkpoint_dir)
+    if (why := json_problem(path / COMPLETE_MARKER)) is not None:
+        return [f"{COMPLETE_MARKER} {why}"]
+    records = read_marker(path).get("files")
+    if isinstance(records, dict):
+        problems = recorded_file_problems(path, records)
+    else:
+        problems = [] if (path / "trainer_state.json").is_file() else ["trainer_state.json is missing"]
+    said = {p.split(" ", 1)[0] for p in problems}
+    return problems + [p for p in content_problems(path) if p.split(" ", 1)[0] not in said and
+                       not p.startswith(COMPLETE_MARKER)]
 
 
 def is_complete(checkpoint_dir: str | os.PathLike) -> bool:
@@ -52,6 +91,25 @@ def latest_complete_checkpoint(output_dir: str | os.PathLike) -> tuple[Path | No
     return None, skipped
 
 
+def latest_intact_checkpoint(output_dir: str | os.PathLike) -> tuple[Path | None, list[Path], list[tuple[Path, str]]]:
+    """(newest complete and intact checkpoint or None, newer incomplete ones, newer damaged ones with why)."""
+    incomplete: list[Path] = []
+    damaged: list[tuple[Path, str]] = []
+    for path in reversed(checkpoints(output_dir)):
+        if not is_complete(path):
+            incomplete.append(path)
+        elif problems := checkpoint_damage(path):
+            damaged.append((path, "; ".join(problems)))
+        else:
+            return path, incomplete, damaged
+    return None, incomplete, damaged
+
+
+def intact_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete, intact checkpoints, newest first."""
+    return [p for p in reversed(checkpoints(output_dir)) if is_complete(p) and not checkpoint_damage(p)]
+
+
 def previous_results(output_dir: str | os.PathLike) -> list[str]:
     """What a previous run left that a new run would overwrite or mix with."""
     root = Path(output_dir)
@@ -73,16 +131,46 @@ def move_previous_run_aside(output_dir: str | os.PathLike) -> Path | None:
     return aside
 
 
+def move_damaged_aside(output_dir: str | os.PathLike, resume_from: str | None, main: bool = True) -> Path | None:
+    """Before a resume: move complete-but-damaged checkpoints newer than the one resumed from to
+    output_dir/damaged-<time>/, where the resumed run would otherwise write its own checkpoint over them (nothing is
+    deleted; the files may still be worth copying back). The main process moves; the others leave it alone."""
+    if not resume_from or not main:
+        return None
+    match = _CHECKPOINT.match(Path(resume_from).name)
+    step = int(match.group(1)) if match else None
+    newer = [p for p in checkpoints(output_dir) if step is not None and int(p.name.split("-")[1]) > step
+             and is_complete(p) and checkpoint_damage(p)]
+    if not newer:
+        return None
+    aside = Path(output_dir) / time.strftime("damaged-%Y%m%d-%H%M%S")
+    aside.mkdir(parents=True, exist_ok=True)
+    for path in newer:
+        shutil.move(str(path), str(aside / path.name))
+    logger.warning(f"moved the damaged {', '.join(p.name for p in newer)} to {aside} (nothing is deleted): the "
+                   "resumed run writes its own checkpoints at those steps.")
+    return aside
+
+
 def resolve_resume(resume_from_checkpoint: str | None, output_dir: str) -> tuple[str | None, list[str]]:
-    """(checkpoint path to resume from or None, problems). Accepts a path or `latest`."""
+    """(checkpoint path to resume from or None, problems). Accepts a path or `latest` (the newest complete checkpoint
+    whose files are intact; damaged ones are skipped, with a warning saying which and why, and left as they are)."""
     if not resume_from_checkpoint:
         return None, []
     if resume_from_checkpoint in (LATEST, "True", "true"):
-        path, skipped = latest_complete_checkpoint(output_dir)
+        path, incomplete, damaged = latest_intact_checkpoint(output_dir)
         if path is None:
-            where = f" ({len(skipped)} incomplete ones skipped)" if skipped else ""
-            return None, [f"--resume_from_checkpoint {resume_from_checkpoint}: no complete checkpoint in "
-                          f"{output_dir}{where}. Fix: drop the flag to start fresh, or name a checkpoint folder."]
+            where = f" ({len(incomplete)} incomplete ones skipped)" if incomplete else ""
+            if not damaged:
+                return None, [f"--resume_from_checkpoint {resume_from_checkpoint}: no complete checkpoint in "
+                              f"{output_dir}{where}. Fix: drop the flag to start fresh, or name a checkpoint folder."]
+            return None, [f"--resume_from_checkpoint {resume_from_checkpoint}: no intact checkpoint in {output_dir}"
+                          f"{where}; damaged: {_damage_list(damaged)}. Fix: copy the damaged files back if you "
+                          "have them, or start afresh with --overwrite_output_dir True (the checkpoints move to "
+                          f"{output_dir}/previous-run-<time>/; nothing is deleted) or another --output_dir."]
+        if damaged:
+            _warn_once(f"--resume_from_checkpoint {resume_from_checkpoint}: resuming from {path}, the newest intact "
+                       f"checkpoint; skipped as damaged: {_damage_list(damaged)}.")
         return str(path), _unsafe(path)
     path = Path(resume_from_checkpoint)
     if not path.is_dir():
@@ -92,7 +180,28 @@ def resolve_resume(resume_from_checkpoint: str | None, output_dir: str) -> tuple
         return None, [f"--resume_from_checkpoint {resume_from_checkpoint}: incomplete checkpoint (no "
                       f"{COMPLETE_MARKER}; the run was probably stopped while saving it). Fix: resume from an "
                       "earlier checkpoint, or `--resume_from_checkpoint latest` to pick the newest complete one."]
+    if damage := checkpoint_damage(path):
+        intact = intact_checkpoints(path.parent)
+        fix = (f"Fix: --resume_from_checkpoint {intact[0]} (intact here: {', '.join(p.name for p in intact)}), "
+               "or `latest` to take the newest intact one." if intact else
+               "Fix: no intact checkpoint is left beside it: copy the damaged files back if you have them, or start "
+               "afresh with --overwrite_output_dir True (checkpoints move aside; nothing is deleted).")
+        return None, [f"--resume_from_checkpoint {resume_from_checkpoint}: damaged: {'; '.join(damage)}. {fix}"]
     return str(path), _unsafe(path)
+
+
+def _damage_list(damaged: list[tuple[Path, str]]) -> str:
+    return "; ".join(f"{path.name} ({why})" for path, why in damaged)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """validate and main both resolve the resume: say a skip once."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 def _unsafe(checkpoint: Path) -> list[str]:
@@ -108,10 +217,7 @@ def _unsafe(checkpoint: Path) -> list[str]:
 
 def checkpoint_layout(checkpoint_dir: str | os.PathLike) -> dict:
     """The marker's world_size and global_batch_size (absent in checkpoints of earlier versions)."""
-    try:
-        marker = json.loads((Path(checkpoint_dir) / COMPLETE_MARKER).read_text())
-    except (OSError, ValueError):
-        return {}
+    marker = read_marker(checkpoint_dir)
     return {k: marker[k] for k in ("world_size", "global_batch_size") if marker.get(k)}
 
 

@@ -3,7 +3,9 @@
 - Every save that writes adapter files goes through `adapter.save_final_adapter` (gathered, fixed, verified).
 - FSDP1 checkpoints save and load the LoRA weights (peft 0.21's naming bug otherwise saves none and resumes from
   fresh LoRA weights with exit code 0).
-- A resume that loads no trainable weights stops the run instead of silently training from scratch.
+- A resume that loads no trainable weights stops the run instead of silently training from scratch; a checkpoint file
+  that cannot be read (or does not fit this model) stops it with exit code 2, the file named, not a traceback.
+- Every checkpoint's marker records its files' sizes and checksums and what was trained (`resume_match.run_identity`).
 - Checkpoints hold no pickles of ours: RNG, scheduler and one-process optimizer state are safetensors/JSON
   (`state_io`); FSDP shards stay in torch's DCP format, whose `.metadata` pickle is allow-list-checked before loading.
 """
@@ -20,8 +22,9 @@ from trl import SFTTrainer
 from sft_recipe import compat
 from sft_recipe.adapters_fsdp2 import reshard_fsdp2_units
 from sft_recipe.artifacts.adapter import save_final_adapter
-from sft_recipe.artifacts.checkpoints import checkpoint_layout, mark_complete
+from sft_recipe.artifacts.checkpoints import checkpoint_layout, intact_checkpoints, mark_complete
 from sft_recipe.artifacts.gather import adapter_state_keys, fsdp1_sharded_adapter_state
+from sft_recipe.artifacts.resume_match import run_identity
 from sft_recipe.artifacts.state_io import (
     OPTIMIZER_FILE,
     SCHEDULER_FILE,
@@ -34,14 +37,30 @@ from sft_recipe.artifacts.state_io import (
     save_scheduler,
     unsafe_dcp_metadata,
 )
+from sft_recipe.config.args import ConfigError
 from sft_recipe.measure import RssWatch, gpu_peak_gib, save_cost, unsharded_fsdp2_params, weight_mib
 from sft_recipe.train.model import materialize_meta_parameters
 
 logger = logging.getLogger(__name__)
 
 
-class ResumeError(RuntimeError):
-    pass
+class ResumeError(ConfigError):
+    """A checkpoint that cannot be resumed from, found while loading it: train.py exits 2 with the message."""
+
+    def __init__(self, message: str):
+        super().__init__([message])
+
+
+def unreadable(checkpoint, path, error: Exception) -> ResumeError:
+    """A checkpoint file that failed to load: the file, the library's reason, and the intact checkpoints to use."""
+    from pathlib import Path
+
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    others = [p for p in intact_checkpoints(Path(checkpoint).parent) if p.name != Path(checkpoint).name]
+    fix = (f"--resume_from_checkpoint {others[0]} (intact: {', '.join(p.name for p in others)})" if others else
+           "a fresh --output_dir (or --overwrite_output_dir True: checkpoints move aside, nothing is deleted)")
+    return ResumeError(f"--resume_from_checkpoint {checkpoint}: {path} cannot be loaded ({type(error).__name__}: "
+                       f"{reason}). Fix: {fix}.")
 
 
 class ReshardAfterEvaluation(TrainerCallback):
@@ -79,6 +98,8 @@ class RecipeSFTTrainer(SFTTrainer):
         self.weight_mib_after_load = weight_mib(self.model)
         # GPU memory from process start until now (load, LoRA layers), before FSDP wraps anything; None on CPU.
         self.gpu_peak_gib_after_load = gpu_peak_gib()
+        # What every checkpoint's marker records of this run (base, tokenizer size, LoRA shape), read before wrapping.
+        self.run_identity = run_identity(self.model, self.processing_class) if self.args.should_save else None
         materialize_meta_parameters(self.model)
         self.checkpoint_save_costs: list[dict] = []  # per checkpoint: seconds, added RSS per rank (run record)
         self.reshard_after_evaluation = ReshardAfterEvaluation()
@@ -116,7 +137,8 @@ class RecipeSFTTrainer(SFTTrainer):
                                   f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             args = self.args
             mark_complete(folder, self.state.global_step, world_size=args.world_size, global_batch_size=(
-                args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size))
+                args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size),
+                run=self.run_identity)
 
     def _save_rng_state(self, output_dir: str) -> None:
         save_rng_state(rng_state_file(output_dir, self.args.process_index, self.args.world_size))
@@ -135,7 +157,10 @@ class RecipeSFTTrainer(SFTTrainer):
         if not path.is_file():  # e.g. resumed on a different number of ranks: weights reshard, RNG streams cannot
             logger.warning(f"{path} not found: random state starts afresh (data order is still restored).")
             return
-        load_rng_state(path)
+        try:
+            load_rng_state(path)
+        except Exception as e:  # damaged after its marker was written, or not one of ours
+            raise unreadable(checkpoint, path, e) from None
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.is_deepspeed_enabled:  # DeepSpeed writes its own checkpoint format
@@ -180,7 +205,10 @@ class RecipeSFTTrainer(SFTTrainer):
                               "(torch would unpickle it): " + "; ".join(unsafe))
         target = model if model is not None else self.model
         before = trainable_checksum(self.accelerator, target)
-        result = super()._load_from_checkpoint(resume_from_checkpoint, model)
+        try:
+            result = super()._load_from_checkpoint(resume_from_checkpoint, model)
+        except Exception as e:  # "size mismatch for ..." (another LoRA shape), a damaged adapter file
+            raise unreadable(resume_from_checkpoint, "its model/adapter weights", e) from None
         if trainable_checksum(self.accelerator, target) == before:
             raise ResumeError(
                 f"resuming from {resume_from_checkpoint} loaded no trainable weights: training would silently "
@@ -202,11 +230,17 @@ class RecipeSFTTrainer(SFTTrainer):
             if not os.path.isfile(path):
                 raise ResumeError(f"{checkpoint} has no {OPTIMIZER_FILE}: it was not written by this recipe "
                                   "(or by a version before it stopped writing pickles). Start fresh instead.")
-            load_optimizer(self.optimizer, path)
+            try:
+                load_optimizer(self.optimizer, path)
+            except Exception as e:  # damaged file, or state of another shape
+                raise unreadable(checkpoint, path, e) from None
         scheduler_path = os.path.join(checkpoint, SCHEDULER_FILE)
         if not os.path.isfile(scheduler_path):
             raise ResumeError(f"{checkpoint} has no {SCHEDULER_FILE}: the learning-rate schedule cannot continue.")
-        load_scheduler(self.lr_scheduler, scheduler_path)
+        try:
+            load_scheduler(self.lr_scheduler, scheduler_path)
+        except Exception as e:
+            raise unreadable(checkpoint, scheduler_path, e) from None
         if not any(self.optimizer.state.values()):
             raise ResumeError(f"resuming from {checkpoint} restored no optimizer state: training would continue "
                               "with fresh Adam moments and diverge from the interrupted run.")
