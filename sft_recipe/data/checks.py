@@ -28,11 +28,17 @@ class SplitCheck:
 
 
 def scan_json_lines(path: str) -> tuple[list[int], list[tuple[int, str]]]:
-    """(line numbers of the rows, [(line, why)] of lines that are not a JSON object). Blank lines are no rows,
-    as for `datasets`' JSON reader."""
+    """(line numbers of the rows, [(line, why)] of lines that are not UTF-8 or not a JSON object). Blank lines are
+    no rows, as for `datasets`' JSON reader. A gzip file is read decompressed."""
+    from sft_recipe.data.files import decode_line, open_binary
+
     rows, bad = [], []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with open_binary(path) as f:
+        for number, raw in enumerate(f, start=1):
+            line, not_text = decode_line(raw)
+            if not_text:
+                bad.append((number, not_text))
+                continue
             if not line.strip():
                 continue
             try:

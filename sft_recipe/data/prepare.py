@@ -17,7 +17,8 @@ from sft_recipe.data.checks import scan_json_lines
 
 logger = logging.getLogger(__name__)
 
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv",
+                 ".jsonl.gz": "json", ".json.gz": "json", ".csv.gz": "csv"}  # gzip: datasets decompresses
 MESSAGES = "messages"
 
 
@@ -67,17 +68,17 @@ def locate_splits(data_args: DataTrainingArguments) -> tuple[dict[str, tuple[str
                     present = sorted(p.name for p in root.iterdir())
                     problems.append(
                         f"--dataset_name {root}: no split '{split}' there (looked for a save_to_disk folder "
-                        f"'{split}/' or a file {split}.jsonl/.json/.parquet/.csv; found: {present[:10]}). Fix: "
-                        "--splits with "
-                        "the splits that are there."
+                        f"'{split}/' or a file {split}.jsonl/.json/.parquet/.csv, or one of those .gz; found: "
+                        f"{present[:10]}). Fix: --splits with the splits that are there."
                     )
                 else:
                     sources[split] = source
     elif root.is_file():
-        builder = FILE_BUILDERS.get(root.suffix)
+        suffix = "".join(root.suffixes[-2:]) if root.suffix == ".gz" else root.suffix
+        builder = FILE_BUILDERS.get(suffix)
         if builder is None:
-            problems.append(f"--dataset_name {root}: unsupported file type '{root.suffix}' (use jsonl/json/parquet/csv "
-                            "or a folder).")
+            problems.append(f"--dataset_name {root}: unsupported file type '{suffix}' (use jsonl/json/parquet/csv, "
+                            "optionally .gz, or a folder).")
         else:
             for split in splits:
                 sources[split] = (builder, str(root))
@@ -129,6 +130,8 @@ def _read(source: tuple[str, str], split: str, origin: Origin) -> tuple[object, 
     reported at once."""
     from datasets import load_dataset, load_from_disk
 
+    from sft_recipe.data.files import check_file, split_suffix
+
     kind, where = source
     if kind == "disk":
         return load_from_disk(where), []
@@ -136,10 +139,12 @@ def _read(source: tuple[str, str], split: str, origin: Origin) -> tuple[object, 
         return load_from_disk(where)[split], []
     if kind == "hub":
         return load_dataset(where, split=split), []
+    if check_file(where, kind, split):  # lines that are not UTF-8: read line by line, reported as bad rows
+        return _read_json_lines(where, origin)
     try:
         return load_dataset(kind, data_files={split: where}, split=split), []
     except Exception:
-        if not where.endswith(".jsonl"):
+        if split_suffix(where) != ".jsonl":
             raise
     return _read_json_lines(where, origin)
 
@@ -149,9 +154,11 @@ def _read_json_lines(path: str, origin: Origin) -> tuple[object, list[str]]:
     from datasets import Dataset, Features
     from datasets.features import Json
 
+    from sft_recipe.data.files import open_binary
+
     lines, bad = scan_json_lines(path)
     keep = set(lines)
-    with open(path, encoding="utf-8") as f:
+    with open_binary(path) as f:
         rows = [json.loads(line) for number, line in enumerate(f, start=1) if number in keep]
     columns = list(dict.fromkeys(key for row in rows for key in row))
     origin.lines = lines
@@ -168,6 +175,8 @@ def read_splits(data_args: DataTrainingArguments) -> LoadedSplits:
     """load_splits, keeping where each row came from (file and line) for the row checks."""
     from datasets import DatasetDict, concatenate_datasets
 
+    from sft_recipe.data.files import DataFileError, read_error, split_suffix
+
     sources, problems = locate_splits(data_args)
     if problems:
         raise ConfigError(problems)
@@ -178,10 +187,14 @@ def read_splits(data_args: DataTrainingArguments) -> LoadedSplits:
         start = sum(len(d) for d in by_role.get(role, []))
         is_file = source[0] not in ("disk", "disk_dict", "hub")
         origin = Origin(source[1] if is_file else f"{data_args.dataset_name} split '{split}'", start, 0,
-                        path=source[1] if is_file and source[1].endswith(".jsonl") else None)
+                        path=source[1] if is_file and split_suffix(source[1]) == ".jsonl" else None)
         try:
             dataset, bad = _read(source, split, origin)
+        except DataFileError as e:  # empty, not UTF-8, not a whole Parquet file, a damaged gzip
+            raise ConfigError([str(e)]) from None
         except Exception as e:  # offline Hub, missing split in a Hub dataset, unreadable file
+            if is_file:
+                raise ConfigError([read_error(source[1], source[0], e)]) from None
             raise ConfigError([f"--dataset_name {data_args.dataset_name} split '{split}': could not be read "
                                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})."]) from None
         origin.rows = len(dataset)
@@ -256,6 +269,11 @@ def prepare(loaded: LoadedSplits, data_args: DataTrainingArguments, text_field: 
         raise ConfigError(problems)
     datasets, formats, notes, roles, conversational = {}, {}, {}, {}, {}
     for role, ds in loaded.datasets.items():
+        if len(ds) == 0:  # before its columns are read: an empty file has none
+            where = ", ".join(o.label for o in loaded.origins.get(role, [])) or f"split '{role}'"
+            problems.append(f"{where}: split '{role}' has no rows. Fix: put the split's rows there, or leave it out "
+                            "of --splits" + (" (and --eval_strategy no)." if role == "test" else "."))
+            continue
         try:
             ds = rename_columns(ds, role, data_args)
             formats[role], note = detect_format(ds.column_names, role, text_field, data_args.dataset_format)
@@ -263,9 +281,6 @@ def prepare(loaded: LoadedSplits, data_args: DataTrainingArguments, text_field: 
             problems += e.problems
             continue
         notes.setdefault(note, []).append(role)
-        if len(ds) == 0:
-            problems.append(f"split '{role}' is empty.")
-            continue
         datasets[role] = ds
         conversational[role] = is_conversational(formats[role], ds[0])
         if conversational[role] and not tokenizer.chat_template:
