@@ -96,6 +96,8 @@ DAMAGE = {
     "trainer state missing": (lambda c: (c / "trainer_state.json").unlink(), False, "trainer_state.json is missing"),
     "trainer state garbled": (lambda c: _garble_same_size(c / "trainer_state.json"), False,
                               "trainer_state.json changed since it was saved (its SHA-256 differs)"),
+    "scheduler garbled": (lambda c: _garble_same_size(c / "scheduler.json"), False,
+                          "scheduler.json changed since it was saved"),
     "RNG state garbled": (lambda c: _garble_same_size(c / "rng_state.safetensors"), False,
                           "rng_state.safetensors changed since it was saved"),
     "marker cut short": (lambda c: _truncate(c / COMPLETE_MARKER, 20), False,
