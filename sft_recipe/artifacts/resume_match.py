@@ -17,7 +17,8 @@ from sft_recipe.artifacts.integrity import weights_fingerprint
 SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size")
 LORA_FLAGS = {"r": "--lora_r", "lora_alpha": "--lora_alpha", "target_modules": "--lora_target_modules",
-              "use_dora": "--use_dora", "modules_to_save": "--lora_modules_to_save"}
+              "target_parameters": "--lora_target_parameters", "use_dora": "--use_dora",
+              "modules_to_save": "--lora_modules_to_save"}
 
 
 def model_folder(name_or_path: str) -> Path | None:
@@ -56,6 +57,7 @@ def lora_identity(peft_config) -> dict:
     targets = peft_config.target_modules
     return {"r": peft_config.r, "lora_alpha": peft_config.lora_alpha,
             "target_modules": targets if isinstance(targets, str) else _suffixes(targets),
+            "target_parameters": sorted(getattr(peft_config, "target_parameters", None) or []),
             "use_dora": bool(getattr(peft_config, "use_dora", False)),
             "modules_to_save": _suffixes(peft_config.modules_to_save)}
 
@@ -88,27 +90,31 @@ def saved_run(checkpoint: str | os.PathLike) -> dict | None:
         return None
     from types import SimpleNamespace
 
-    fields = {"r": None, "lora_alpha": None, "target_modules": None, "use_dora": False, "modules_to_save": None}
-    lora = lora_identity(SimpleNamespace(**{**fields, **{k: adapter.get(k, v) for k, v in fields.items()}}))
-    return {"base": {"name": adapter.get("base_model_name_or_path")}, "lora": lora, "legacy": True}
+    fields = {"r": None, "lora_alpha": None, "target_modules": None, "target_parameters": None, "use_dora": False,
+              "modules_to_save": None}
+    lora = lora_identity(SimpleNamespace(**{k: adapter.get(k, v) for k, v in fields.items()}))
+    return {"base": {"name": adapter.get("base_model_name_or_path")}, "lora": lora}
 
 
-def _requested_lora(m, trust_remote_code: bool, saved_targets) -> dict:
-    wanted = m.lora_target_modules.strip()
-    targets = [x.strip() for x in wanted.split(",") if x.strip()]
-    if wanted == "all-linear" and not (isinstance(saved_targets, str) and saved_targets == "all-linear"):
-        from sft_recipe.config.validate import linear_module_names
+def _requested_targets(m, trust_remote_code: bool):
+    """target_modules as this launch will give them to PEFT (suffixes, or a pattern); None where unknown."""
+    from sft_recipe.config.validate import linear_module_names
+    from sft_recipe.train.architecture import lora_targets
 
-        try:
+    try:
+        targets = lora_targets(m, trust_remote_code)  # what all-linear means for this family
+        if targets == "all-linear":  # PEFT's rule: every linear layer but the output layer
             targets = linear_module_names(m.model_name_or_path, trust_remote_code)
-        except Exception:  # the config problem is reported by validate's own target check
-            targets = saved_targets if not isinstance(saved_targets, str) else []
-    elif wanted == "all-linear":
-        targets = "all-linear"
-    return {"r": m.lora_r, "lora_alpha": m.lora_alpha,
-            "target_modules": targets if isinstance(targets, str) else _suffixes(targets),
-            "use_dora": bool(m.use_dora), "modules_to_save": _suffixes(m.lora_modules_to_save.split(",")
-                                                                        if m.lora_modules_to_save.strip() else [])}
+    except Exception:  # an unreadable config is reported by validate's own checks
+        return None
+    return targets if isinstance(targets, str) else _suffixes(targets)
+
+
+def _requested_lora(m, trust_remote_code: bool) -> dict:
+    names = [x.strip() for x in getattr(m, "lora_target_parameters", "").split(",") if x.strip()]
+    return {"r": m.lora_r, "lora_alpha": m.lora_alpha, "target_modules": _requested_targets(m, trust_remote_code),
+            "target_parameters": sorted(names), "use_dora": bool(m.use_dora),
+            "modules_to_save": _suffixes(x.strip() for x in m.lora_modules_to_save.split(",") if x.strip())}
 
 
 def _flag_value(value) -> str:
@@ -118,8 +124,8 @@ def _flag_value(value) -> str:
 
 
 def _differs(then, now) -> bool:
-    """A recorded value against this launch's; a regex of target modules is not compared with a list of names."""
-    if then is None or isinstance(then, str) != isinstance(now, str):
+    """A recorded value against this launch's; a pattern of target modules is not compared with a list of names."""
+    if then is None or now is None or isinstance(then, str) != isinstance(now, str):
         return False
     return then != now
 
@@ -134,15 +140,15 @@ def lora_problems(checkpoint: str, saved: dict | None, m, trust_remote_code: boo
     if not m.use_peft_lora:
         return [f"--resume_from_checkpoint {checkpoint} holds a LoRA adapter (r {saved.get('r')}), but --use_peft_lora "
                 f"is False. Fix: --use_peft_lora True with the checkpoint's LoRA settings, {fresh}."]
-    now = _requested_lora(m, trust_remote_code, saved.get("target_modules"))
+    now = _requested_lora(m, trust_remote_code)
     differ = [key for key in LORA_FLAGS if _differs(saved.get(key), now[key])]
     if not differ:
         return []
     said = "; ".join(f"{LORA_FLAGS[k]} {_flag_value(now[k])} now, {_flag_value(saved[k])} in the checkpoint"
                      for k in differ)
     theirs = " ".join(f"{LORA_FLAGS[k]} {_flag_value(saved[k])}" for k in differ)
-    return [f"--resume_from_checkpoint {checkpoint} was trained with another LoRA shape ({said}): its adapter and "
-            f"optimizer state cannot load into this one. Fix: the checkpoint's settings ({theirs}), {fresh}."]
+    return [f"--resume_from_checkpoint {checkpoint} was trained with another LoRA shape ({said}), so resuming would "
+            f"not continue that training. Fix: the checkpoint's settings ({theirs}), {fresh}."]
 
 
 def _same_place(a: str | None, b: str | None) -> bool:
