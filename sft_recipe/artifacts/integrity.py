@@ -137,15 +137,17 @@ def content_problems(folder: str | os.PathLike) -> list[str]:
 # --- which base model a checkpoint was trained on --------------------------------------------------------------------
 
 def weight_files(folder: str | os.PathLike) -> list[Path]:
-    """The safetensors weight files of a model folder (the index's shards, or model.safetensors); [] if none."""
+    """The safetensors weight files of a model folder (model.safetensors, or the index's shards); [] if none."""
     root = Path(folder)
+    if (root / "model.safetensors").is_file():  # transformers' order: the single file first
+        return [root / "model.safetensors"]
     if (root / INDEX_FILE).is_file():
         try:
             weight_map = json.loads((root / INDEX_FILE).read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError):
             return []
         return [root / name for name in sorted(set(weight_map.values()))]
-    return [root / "model.safetensors"] if (root / "model.safetensors").is_file() else []
+    return []
 
 
 def weights_fingerprint(folder: str | os.PathLike) -> str | None:

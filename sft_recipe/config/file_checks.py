@@ -31,7 +31,7 @@ def _fetch_again(m: ModelArguments, what: str) -> str:
 def _safetensors_problems(m: ModelArguments, folder: Path) -> list[str]:
     index = folder / INDEX_FILE
     flag = f"--model_name_or_path {m.model_name_or_path}"
-    if not index.is_file():
+    if (folder / "model.safetensors").exists() or not index.is_file():  # transformers' order: the single file first
         path = folder / "model.safetensors"
         try:
             safetensors_header(path)
