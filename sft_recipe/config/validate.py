@@ -356,6 +356,6 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,
         problems += _lora_target_problems(m, t)
         problems += gptq_problems(m, t, launch)
         problems += zero3_quantized_load_problems(m, d, t, launch)  # needs the model's config
-        problems += architecture_problems(m, t.trust_remote_code)  # attention and MoE targets this family allows
+        problems += architecture_problems(m, t.trust_remote_code, launch)  # what this family allows
     if problems:
         raise ConfigError(problems)

@@ -145,13 +145,40 @@ def target_parameter_problems(model_args: ModelArguments, trust_remote_code: boo
     return problems
 
 
-def architecture_problems(model_args: ModelArguments, trust_remote_code: bool = False) -> list[str]:
+def architecture_problems(model_args: ModelArguments, trust_remote_code: bool = False, launch=None) -> list[str]:
     """What this model's family cannot do as asked, found from its config before any weight loads."""
     try:
-        problems = [p for p in [flash_attention_problem(model_args, trust_remote_code)] if p]
+        problems = [p for p in [flash_attention_problem(model_args, trust_remote_code),
+                                tied_training_problem(model_args, trust_remote_code, launch)] if p]
     except Exception:  # an unreadable config is named by the model-path checks
         return []
     return problems + target_parameter_problems(model_args, trust_remote_code)
+
+
+def tied_training_problem(model_args: ModelArguments, trust_remote_code: bool = False, launch=None) -> str | None:
+    """A tied embedding/head trained in full (--lora_modules_to_save) or by rows (--train_new_tokens) under FSDP2
+    with cpu_ram_efficient_loading: accelerate 1.15 moves the model to the meta device and calls the model's
+    `tie_weights()`, which fails on PEFT's wrappers ("attribute 'weight' already exists") after loading."""
+    if launch is None or launch.requested_fsdp_version != 2 or not launch.cpu_ram_efficient_loading:
+        return None
+    saved = {m.strip() for m in model_args.lora_modules_to_save.split(",") if m.strip()}
+    embedding_trained = bool(saved & {"embed_tokens", "lm_head", "wte", "embed_out"}) or model_args.train_new_tokens
+    if not (model_args.use_peft_lora and embedding_trained and ties_embeddings(model_args, trust_remote_code)):
+        return None
+    return (f"{model_args.model_name_or_path} ties its output head to its input embedding, and training them "
+            f"(--lora_modules_to_save {model_args.lora_modules_to_save or '-'}, --train_new_tokens "
+            f"{model_args.train_new_tokens}) under FSDP2 with fsdp_cpu_ram_efficient_loading: true fails when "
+            "accelerate 1.15 re-ties the weights after its meta-device move. Fix: fsdp_cpu_ram_efficient_loading: "
+            "false in the accelerate config (every rank then reads the weights), or one process.")
+
+
+def ties_embeddings(model_args: ModelArguments, trust_remote_code: bool = False) -> bool:
+    """Whether the model's output head is its input embedding (Gemma, Llama-3.2, small Qwen)."""
+    if not model_args.model_name_or_path:
+        return False
+    model = _meta(model_args.model_name_or_path, trust_remote_code)
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
 
 
 def tied_parameter_names(model) -> dict[str, str]:

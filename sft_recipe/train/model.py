@@ -14,7 +14,13 @@ import torch
 from sft_recipe.compat import keep_present_no_split_modules, quantized_base_device_map
 from sft_recipe.config.args import ModelArguments
 from sft_recipe.measure import live_tensor_mib, quant_state_tensors
-from sft_recipe.train.architecture import attention_implementation, attention_note, lora_target_parameters, lora_targets
+from sft_recipe.train.architecture import (
+    attention_implementation,
+    attention_note,
+    lora_target_parameters,
+    lora_targets,
+    ties_embeddings,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -348,6 +354,10 @@ def lora_config(model_args: ModelArguments, new_token_ids: list[int] | None = No
         use_dora=model_args.use_dora,
         modules_to_save=modules_to_save,
         trainable_token_indices=trainable_tokens,
+        # A tied head and embedding trained in full or by rows stay one tensor (PEFT ties the copies it makes);
+        # without it PEFT trains two copies, and FSDP2's re-tying after its meta move fails on them.
+        ensure_weight_tying=bool(modules_to_save or trainable_tokens) and ties_embeddings(model_args,
+                                                                                          trust_remote_code),
         bias="none",
         task_type="CAUSAL_LM",
     )

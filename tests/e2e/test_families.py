@@ -5,7 +5,9 @@ Tiny random models from each family's own config class (sft_recipe.tiny.families
 paths differ (the full product family x engine would cost ~15 minutes):
 - tied input/output embeddings (Qwen2) on every engine: FSDP2 with cpu_ram_efficient_loading (ranks > 0 build on the
   meta device: the tie must survive), FSDP1 and ZeRO-3 (the adapter-only gather must find the tied head), and one
-  process as the reference the sharded adapters must equal; QLoRA on FSDP2; resume on FSDP1 and FSDP2;
+  process as the reference the sharded adapters must equal; QLoRA on FSDP2; resume on FSDP1 and FSDP2; the tied
+  pair trained in full (modules_to_save) stays one tensor (FSDP2 with efficient loading refuses it up front:
+  tests/unit/test_architecture.py; with efficient loading off it trains, checked by hand);
 - Llama-3.2's shape (tied, head_dim != hidden/heads) on FSDP2;
 - Gemma-2 (eager attention, soft-capping: transformers' choice, said in the log) on FSDP2;
 - a multimodal checkpoint trained on text (Gemma-3 with a vision tower, text config nested) on FSDP2: only the
@@ -43,6 +45,7 @@ CELLS = {
     "qwen2-fsdp1": ("qwen2", "fsdp1", NO_DROPOUT),
     "qwen2-zero3": ("qwen2", "zero3", [*NO_DROPOUT, "--ddp_backend", "gloo"]),
     "qwen2-qlora-fsdp2": ("qwen2", "fsdp2", QLORA_FLAGS),
+    "qwen2-embeddings-single": ("qwen2", "single", ["--lora_modules_to_save", "embed_tokens,lm_head"]),
     "llama-tied-fsdp2": ("llama-tied", "fsdp2", []),
     "gemma2-fsdp2": ("gemma2", "fsdp2", []),
     "gemma3-multimodal-fsdp2": ("gemma3-multimodal", "fsdp2", []),
@@ -105,6 +108,13 @@ def test_a_tied_models_sharded_adapter_is_the_one_process_adapter(runs, cell):
     assert torch.equal(sharded[head], sharded[embedding])  # still one tensor under two names
     for key, tensor in sharded.items():
         torch.testing.assert_close(tensor, single[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_a_tied_embedding_trained_in_full_is_saved_as_one_tensor(runs):
+    saved = load_file(str(runs["qwen2-embeddings-single"].output_dir / "adapter_model.safetensors"))
+    head = saved["base_model.model.lm_head.modules_to_save.default.weight"]
+    embedding = saved["base_model.model.model.embed_tokens.modules_to_save.default.weight"]
+    assert torch.equal(head, embedding)  # trained, and still tied (PEFT's ensure_weight_tying)
 
 
 def test_moe_adapts_attention_by_default_and_experts_only_when_named(runs):

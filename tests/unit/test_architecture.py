@@ -132,3 +132,20 @@ def test_the_plan_reads_each_familys_shape_from_its_config(family_model, family)
         [p for p in model.parameters() if p.dim() == 3]))
     if family in ("mixtral", "qwen3-moe"):
         assert experts and active_expert_fraction(text) == 0.5  # 2 of 4 experts per token
+
+
+def test_a_tied_embedding_trained_in_full_stays_tied_and_fsdp2_efficient_loading_is_refused(family_model):
+    from sft_recipe.config.launch_env import LaunchEnv
+    from sft_recipe.train.model import lora_config
+
+    tied = _args(family_model("qwen2"), lora_modules_to_save="embed_tokens,lm_head")
+    untied = _args(family_model("llama"), lora_modules_to_save="embed_tokens,lm_head")
+    assert lora_config(tied).ensure_weight_tying is True  # PEFT keeps the two trained copies one tensor
+    assert lora_config(untied).ensure_weight_tying is False
+    assert lora_config(_args(family_model("qwen2"))).ensure_weight_tying is False  # nothing of them trained
+    fsdp2 = LaunchEnv(world_size=2, use_fsdp=True, fsdp_version=2, fsdp_cpu_ram_efficient_loading=True)
+    problem = architecture.tied_training_problem(tied, launch=fsdp2)
+    assert problem and "fsdp_cpu_ram_efficient_loading: false" in problem
+    assert architecture.tied_training_problem(untied, launch=fsdp2) is None
+    plain = LaunchEnv(world_size=2, use_fsdp=True, fsdp_version=2, fsdp_cpu_ram_efficient_loading=False)
+    assert architecture.tied_training_problem(tied, launch=plain) is None
