@@ -1,8 +1,9 @@
 """Damaged and mismatched files, found before any weight loads: each named with what is wrong and the fix.
 
-- The base model folder (a local path): config.json readable, weights present and whole (every safetensors file's
-  size against its header, every shard its index names, and those shards hold the tensors the index says), tokenizer
-  files present and readable. A Hub id's files are checked by its download.
+- The base model folder (a local path): config.json readable (`config_file_problems`), weights present and whole
+  (every safetensors file's size against its header, every shard its index names, and those shards hold the tensors
+  the index says), tokenizer files present and readable (`file_problems`). A Hub id's files are checked by its
+  download.
 - The checkpoint a resume continues: trained on this base, with this LoRA shape (`resume_match`).
 - Once the tokenizer is loaded (`check_tokenizer`, still before any weight): a tokenizer far smaller than the
   model's embeddings (another model's), and a resume with another tokenizer size.
@@ -83,30 +84,49 @@ def _pickle_weight_problems(m: ModelArguments, folder: Path) -> list[str]:
     return problems
 
 
-def base_folder_problems(m: ModelArguments) -> list[str]:
-    """A local base model folder: config, weights and tokenizer files present and whole. Reads headers only."""
+def _local_base(m: ModelArguments) -> tuple[Path | None, set[str]]:
+    """(the base model's folder, its file names); None where it is not a local base model folder (a Hub id, no such
+    path, or an adapter folder, whose base transformers resolves)."""
     folder = Path(m.model_name_or_path) if m.model_name_or_path else None
     if folder is None or not folder.is_dir():
-        return []
-    flag = f"--model_name_or_path {m.model_name_or_path}"
+        return None, set()
     files = {p.name for p in folder.iterdir()}
     if "adapter_config.json" in files and "config.json" not in files:
-        return []  # an adapter folder, not a base model's: transformers resolves its base
-    problems = []
+        return None, set()
+    return folder, files
+
+
+def config_file_problems(m: ModelArguments) -> list[str]:
+    """A local base folder's config.json present and readable: every check of the model's shape reads it."""
+    folder, _ = _local_base(m)
+    if folder is None:
+        return []
     config = folder / "config.json"
     if not config.is_file():
-        problems.append(f"{flag}: no config.json, so this is not a model folder (or an incomplete download). "
-                        f"{_fetch_again(m, 'the model')}")
-    elif (why := json_problem(config)) is not None:
-        problems.append(f"{flag}: {config} {why}. {_fetch_again(m, 'it')}")
-    if "model.safetensors" in files or INDEX_FILE in files:
+        return [f"--model_name_or_path {m.model_name_or_path}: no config.json, so this is not a model folder (or an "
+                f"incomplete download). {_fetch_again(m, 'the model')}"]
+    if (why := json_problem(config)) is not None:
+        return [f"--model_name_or_path {m.model_name_or_path}: {config} {why}. {_fetch_again(m, 'it')}"]
+    return []
+
+
+def base_folder_problems(m: ModelArguments, weights: bool = True, tokenizer: bool = True) -> list[str]:
+    """A local base folder's weights and tokenizer files present and whole. Reads headers only."""
+    folder, files = _local_base(m)
+    if folder is None:
+        return []
+    problems = []
+    if not weights:
+        pass
+    elif "model.safetensors" in files or INDEX_FILE in files:
         problems += _safetensors_problems(m, folder)
     elif "pytorch_model.bin" in files or "pytorch_model.bin.index.json" in files:
         problems += _pickle_weight_problems(m, folder)
     elif not any(name.endswith(WEIGHT_SUFFIXES) for name in files):
-        problems.append(f"{flag}: no weights there (model.safetensors, {INDEX_FILE} with its shards, or "
-                        f"pytorch_model.bin). {_fetch_again(m, 'the model')}")
-    problems += _tokenizer_file_problems(m, folder, files)
+        problems.append(f"--model_name_or_path {m.model_name_or_path}: no weights there (model.safetensors, "
+                        f"{INDEX_FILE} with its shards, or pytorch_model.bin). {_fetch_again(m, 'the model')}")
+    if tokenizer:
+        problems += _tokenizer_file_problems(m, folder, files)
     return problems
 
 
@@ -124,9 +144,14 @@ def _tokenizer_file_problems(m: ModelArguments, folder: Path, files: set[str]) -
     return problems
 
 
-def file_problems(m: ModelArguments, t) -> list[str]:
-    """validate's hook: the base folder's files, then (with the files whole) the resume's base and LoRA shape."""
-    problems = base_folder_problems(m)
+def file_problems(m: ModelArguments, d, r, t) -> list[str]:
+    """validate's hook (its config.json read): the base folder's weights and tokenizer files, then (with the files
+    whole) the resume's base and LoRA shape. --plan_memory_gib reads the config alone (a config-only folder plans),
+    --preview_examples the tokenizer: what they never load is not asked for."""
+    plan, preview = bool(getattr(r, "plan_memory_gib", None)), bool(getattr(d, "preview_examples", 0))
+    if plan:
+        return []
+    problems = base_folder_problems(m, weights=not preview)
     if problems or not getattr(t, "resume_from_checkpoint", None):
         return problems
     from sft_recipe.artifacts.checkpoints import resolve_resume

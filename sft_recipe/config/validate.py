@@ -8,7 +8,7 @@ from pathlib import Path
 
 from sft_recipe.artifacts.checkpoints import previous_results, resolve_resume, resume_layout_problems
 from sft_recipe.config.args import ConfigError, DataTrainingArguments, ModelArguments, RecipeArguments
-from sft_recipe.config.file_checks import file_problems
+from sft_recipe.config.file_checks import config_file_problems, file_problems
 from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
 from sft_recipe.config.optional_deps import bitsandbytes_optimizers, optional_dependency_problems
 from sft_recipe.data.prepare import locate_splits
@@ -347,12 +347,13 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,
         problems.append(f"--model_name_or_path {m.model_name_or_path}: no such folder. Fix: a local model folder "
                         "or a Hub id (the embedded tiny model is built by `python -m sft_recipe.tiny --output_dir "
                         ".tiny`).")
-    problems += file_problems(m, t)  # the base folder's files whole; a resume's base and LoRA shape the same
+    problems += config_file_problems(m)  # a local folder's config.json readable: the checks below read it
     if not any("--model_name_or_path" in p for p in problems):
         from sft_recipe.config.load_checks import zero3_quantized_load_problems
         from sft_recipe.train.architecture import architecture_problems
         from sft_recipe.train.gptq import gptq_problems
 
+        problems += file_problems(m, d, r, t)  # weights, tokenizer files whole; a resume's base and LoRA shape the same
         problems += _lora_target_problems(m, t)
         problems += gptq_problems(m, t, launch)
         problems += zero3_quantized_load_problems(m, d, t, launch)  # needs the model's config
