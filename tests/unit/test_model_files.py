@@ -169,3 +169,27 @@ def test_a_tokenizer_far_smaller_than_the_embeddings_is_refused(model, tiny, tmp
     code, err = run_train(argv, monkeypatch, capsys)
     assert code == 2 and "its tokenizer has 268 tokens but the model's embeddings have 552 rows" in err, err
     assert "Fix: put the model's own tokenizer files in the folder" in err
+
+
+def test_what_a_run_never_loads_is_not_asked_for(model, tiny, tmp_path):
+    """--plan_memory_gib plans from config.json alone (the shipped Llama-2-70B folder has nothing else);
+    --preview_examples needs the tokenizer, not the weights."""
+    tokenizer_files = {p.name: p.read_bytes() for p in model.glob("tokenizer*")}
+    for path in model.iterdir():
+        if path.name != "config.json":
+            path.unlink()
+    argv = flags(model, tmp_path, tiny.jsonl_dir)
+    validate(*parse_args([*argv, "--plan_memory_gib", "80"]))
+    message = _problems(model, tmp_path, tiny.jsonl_dir)
+    assert "no weights there" in message and "no tokenizer files there" in message
+    for name, data in tokenizer_files.items():
+        (model / name).write_bytes(data)
+    validate(*parse_args([*argv, "--preview_examples", "2"]))
+
+
+def test_damaged_weights_do_not_hide_the_other_problems(model, tiny, tmp_path):
+    _truncate(model / "model.safetensors", 1000)
+    with pytest.raises(ConfigError) as e:
+        validate(*parse_args([*flags(model, tmp_path, tiny.jsonl_dir), "--lora_target_modules", "q_proj,c_attn"]))
+    assert any("model.safetensors is truncated" in p for p in e.value.problems)
+    assert any("['c_attn'] match no linear layer" in p for p in e.value.problems)
