@@ -14,8 +14,11 @@ from pathlib import Path
 from sft_recipe.artifacts.checkpoints import read_marker
 from sft_recipe.artifacts.integrity import weights_fingerprint
 
+# The architecture as config.json gives it. Not vocab_size: the run grows the embeddings to the tokenizer (chat-format
+# tokens) and the config with them; the tokenizer's size is compared on its own, and the weights' fingerprint holds
+# the embedding's shape as saved.
 SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "intermediate_size", "vocab_size")
+              "intermediate_size")
 LORA_FLAGS = {"r": "--lora_r", "lora_alpha": "--lora_alpha", "target_modules": "--lora_target_modules",
               "target_parameters": "--lora_target_parameters", "use_dora": "--use_dora",
               "modules_to_save": "--lora_modules_to_save"}

@@ -256,6 +256,23 @@ def test_a_resume_on_another_base_model_is_refused(tiny, identity, other_bases, 
     assert "the same architecture with other weights (their sampled tensors differ" in message
 
 
+def test_a_chat_format_run_resumes_with_its_own_settings(tiny, tmp_path):
+    """The run grows the embeddings (and the config's vocab_size) to the chat format's tokens: not another base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from sft_recipe.config.args import ModelArguments
+    from sft_recipe.train.model import fit_embeddings_to_tokenizer, load_tokenizer
+
+    chatml = load_tokenizer(ModelArguments(model_name_or_path=str(tiny.model_dir), chat_template_format="chatml"))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny.model_dir))
+    assert fit_embeddings_to_tokenizer(model, chatml)
+    peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    checkpoint = _checkpoint(tmp_path / "run", 2, run=run_identity(peft, chatml))
+    assert _resume_problems(tiny, checkpoint, tmp_path, "--chat_template_format", "chatml") == ""
+    assert tokenizer_size_problems(str(checkpoint), chatml) == []
+
+
 def test_a_resume_with_another_tokenizer_size_is_refused(tiny, identity, tokenizer, tmp_path):
     from sft_recipe.config.args import ModelArguments
     from sft_recipe.train.model import load_tokenizer
