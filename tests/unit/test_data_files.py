@@ -4,6 +4,7 @@ traceback; the intact file reads (the negative control)."""
 from __future__ import annotations
 
 import gzip
+import json
 import shutil
 
 import pytest
@@ -147,3 +148,14 @@ def test_csv_files_that_cannot_be_read_are_named(csv):
     train.write_text('content\n"an unterminated quote\n')
     message = _problems(lambda: _read(csv))
     assert f"{train}: could not be read as CSV (" in message and "Fix:" in message, message
+
+
+def test_a_json_document_that_is_not_utf8_names_its_line(jsonl, tmp_path):
+    rows = [json.loads(line) for line in (jsonl / "train.jsonl").read_text().splitlines()]
+    document = tmp_path / "rows.json"
+    document.write_text(json.dumps(rows, indent=1))
+    assert len(_read(document, "--splits", "train").datasets["train"]) == 240  # intact
+    document.write_bytes(document.read_bytes().replace(b"Answer", b"\xc0nswer", 1))
+    message = _problems(lambda: _read(document, "--splits", "train"))
+    assert f"{document} line " in message and "not UTF-8 text (byte 0xc0" in message
+    assert "Fix: save the file as UTF-8" in message
