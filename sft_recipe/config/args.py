@@ -38,6 +38,14 @@ class ModelArguments:
                           "and resize the embeddings; none keeps the tokenizer's own template.",
                   "choices": ["chatml", "zephyr", "none"]},
     )
+    torch_dtype: str = field(
+        default="",
+        metadata={"help": "dtype the base model is loaded in: auto (the checkpoint's own), bfloat16, float16 or "
+                          "float32. Default: bfloat16 for LoRA/DoRA with --bf16 True (the frozen base only ever "
+                          "enters a matmul in bf16; LoRA weights and their optimizer state stay fp32), float32 "
+                          "otherwise (upstream's). 4-bit loads in --bnb_4bit_quant_storage_dtype.",
+                  "choices": ["", "auto", "bfloat16", "float16", "float32"]},
+    )
     lora_alpha: int = field(default=16)
     lora_dropout: float = field(default=0.1)
     lora_r: int = field(default=64)
@@ -175,7 +183,7 @@ class RecipeArguments:
     )
 
 
-ALIASES = {"max_seq_len": "max_length"}
+ALIASES = {"max_seq_len": "max_length", "dtype": "torch_dtype"}
 # Library defaults this recipe changes. hub_private_repo: the Hub would create a PUBLIC repository by default.
 RECIPE_DEFAULTS = {"hub_private_repo": True}  # the guide's flag name -> current TRL's name
 
@@ -322,13 +330,29 @@ def parse_args(argv: list[str] | None = None, launch=None):
 
 def resolve_derived_settings(model_args: ModelArguments, recipe_args: RecipeArguments, training_args) -> None:
     """Settings that follow from others, decided once here so that nothing changes the arguments after they are
-    validated: `--defer_push_to_hub` trains without the Hub (the upload command is printed at the end), and the
-    checkpointing implementation (`--use_reentrant`) goes where transformers 5.24 reads it
-    (activation_checkpointing_kwargs) and where TRL 1.16 still reads it (gradient_checkpointing_kwargs)."""
+    validated: `--defer_push_to_hub` trains without the Hub (the upload command is printed at the end), the base
+    model's dtype (`--torch_dtype`, default_torch_dtype), and the checkpointing implementation (`--use_reentrant`)
+    goes where transformers 5.24 reads it (activation_checkpointing_kwargs) and where TRL 1.16 still reads it
+    (gradient_checkpointing_kwargs)."""
     if training_args.push_to_hub and recipe_args.defer_push_to_hub:
         training_args.push_to_hub = False
+    if not model_args.torch_dtype:
+        model_args.torch_dtype = default_torch_dtype(model_args, training_args)
     training_args.activation_checkpointing_kwargs = {"use_reentrant": model_args.use_reentrant}
     training_args.gradient_checkpointing_kwargs = training_args.activation_checkpointing_kwargs
+
+
+def default_torch_dtype(model_args: ModelArguments, training_args) -> str:
+    """The base's load dtype when --torch_dtype is not given. LoRA/DoRA under bf16 mixed precision: bfloat16 -- the
+    frozen base only ever enters a matmul in bf16, so an fp32 copy holds nothing a bf16 one lacks and costs twice the
+    memory (tests/e2e/test_dtype.py: the same losses and adapter as upstream's fp32 load). 4-bit: its float storage
+    dtype (what FSDP's flat parameters need). Otherwise float32, as upstream loads."""
+    storage = model_args.bnb_4bit_quant_storage_dtype
+    if model_args.use_4bit_quantization:
+        return storage if storage in ("bfloat16", "float16", "float32") else "float32"
+    if model_args.use_peft_lora and not model_args.use_8bit_quantization and getattr(training_args, "bf16", False):
+        return "bfloat16"
+    return "float32"
 
 
 def hardware_defaults(argv: list[str], yaml_values: dict[str, Any], problems: list[str], launch) -> dict[str, Any]:

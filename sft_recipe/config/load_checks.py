@@ -66,3 +66,26 @@ def zero3_quantized_load_problems(m: ModelArguments, d: DataTrainingArguments, t
             "transformers 5.x skips zero.Init for quantized models, maps them onto each rank's GPU and refuses a "
             "device_map under ZeRO-3, so the recipe cannot load it elsewhere. Fix: FSDP, which the recipe loads on the "
             f"CPU and shards one unit at a time: {FSDP_QLORA_COMMAND}; or a GPU with more memory."]
+
+
+def dtype_problems(m: ModelArguments, t) -> list[str]:
+    """--torch_dtype against the rest of the run: a half-precision base is for adapters over a frozen base under the
+    matching mixed precision (fp32 LoRA weights and optimizer state); 4-bit loads in its storage dtype."""
+    dtype = m.torch_dtype
+    half = dtype in ("bfloat16", "float16")
+    problems = []
+    if half and not m.use_peft_lora:
+        problems.append(f"--torch_dtype {dtype} without LoRA trains the weights themselves in {dtype}, with no fp32 "
+                        "master copy. Fix: --torch_dtype float32 for full fine-tuning, or --use_peft_lora True.")
+    mixed = "bfloat16" if getattr(t, "bf16", False) else "float16" if getattr(t, "fp16", False) else None
+    if half and m.use_peft_lora and not m.use_4bit_quantization and mixed != dtype:
+        flag = {"bfloat16": "--bf16 True", "float16": "--fp16 True"}
+        fix, now = flag[dtype], "no mixed precision" if mixed is None else flag[mixed]
+        problems.append(f"--torch_dtype {dtype} with {now}: the base's matmuls would run in another precision than "
+                        f"its weights. Fix: {fix}, or --torch_dtype float32.")
+    storage = m.bnb_4bit_quant_storage_dtype
+    floats = ("bfloat16", "float16", "float32")
+    if m.use_4bit_quantization and dtype not in ("", "auto", storage) and storage in floats:
+        problems.append(f"--torch_dtype {dtype} with --bnb_4bit_quant_storage_dtype {storage}: a 4-bit base loads in "
+                        f"its storage dtype (FSDP flattens one dtype). Fix: --torch_dtype {storage}, or unset it.")
+    return problems

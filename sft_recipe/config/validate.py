@@ -332,7 +332,9 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,
     """Raise ConfigError listing every problem in the configuration and the launcher's settings (`launch`: read from
     this process when not given); cheap, loads no weights."""
     launch = read_launch_env() if launch is None else launch
-    problems = _model_problems(m, t, launch) + _adapter_variant_problems(m, t, launch)
+    from sft_recipe.config.load_checks import dtype_problems
+
+    problems = _model_problems(m, t, launch) + _adapter_variant_problems(m, t, launch) + dtype_problems(m, t)
     problems += _training_problems(m, d, r, t, launch)
     problems += _fsdp_env_problems(m, launch)
     problems += _deepspeed_env_problems(m, t, launch)

@@ -92,13 +92,20 @@ def recipe_flags(recipe: dict[str, Any]) -> list[str]:
     return [token for key, value in recipe.items() for token in (f"--{key}", str(value))]
 
 
-def guide_plans(load_path: str = "recipe") -> dict[str, MemoryPlan]:
+UPSTREAM_LORA_DTYPE = "float32"  # upstream's train.py loads a LoRA base in fp32 (and the guide's figures are of it)
+
+
+def guide_plans(load_path: str = "recipe", lora_dtype: str | None = None) -> dict[str, MemoryPlan]:
     """The guide's two runs (QLoRA with and without offload) planned offline from GUIDE_RUNS (the recipes name
     meta-llama/Llama-2-70b-hf, whose architecture ships in sft_recipe/plan/models/llama-2-70b). `load_path`
-    "upstream": the quantized base loaded where transformers 5.x puts it without the recipe's placement."""
+    "upstream": the quantized base loaded where transformers 5.x puts it without the recipe's placement;
+    `lora_dtype`: the LoRA base's dtype instead of the recipe's default (UPSTREAM_LORA_DTYPE: as upstream loads it)."""
     plans = {}
     for key, run in GUIDE_RUNS.items():
-        model_args, data_args, _, training_args = parse_train_flags(recipe_flags(run.recipe), "cuda")
+        recipe = dict(run.recipe)
+        if lora_dtype and not recipe.get("use_4bit_quantization"):
+            recipe["torch_dtype"] = lora_dtype
+        model_args, data_args, _, training_args = parse_train_flags(recipe_flags(recipe), "cuda")
         cfg = read_accelerate_config(run.accelerate_config)
         plans[key] = plan_memory(model_args, data_args, training_args, cfg, None, run.gpu_memory_gib, "cuda",
                                  ladder=False, load_path=load_path)
@@ -134,16 +141,25 @@ def legacy_logits_bytes(run: GuideRun) -> float:
 
 
 def render_guide_comparison(plans: dict[str, MemoryPlan] | None = None,
-                            upstream: dict[str, MemoryPlan] | None = None) -> str:
+                            upstream: dict[str, MemoryPlan] | None = None,
+                            as_published: dict[str, MemoryPlan] | None = None) -> str:
+    """`plans`: the recipe's (default dtype and placement); `upstream`: upstream's train.py on this stack (fp32 LoRA
+    base, the quantizer's placement); `as_published`: the guide's own setup (fp32 LoRA base, a 4-bit base placed as
+    transformers 4.4x did, which the recipe's placement reproduces), set beside the published figures."""
     plans = plans or guide_plans()
-    upstream = upstream or guide_plans("upstream")
+    upstream = upstream or guide_plans("upstream", UPSTREAM_LORA_DTYPE)
+    as_published = as_published or guide_plans(lora_dtype=UPSTREAM_LORA_DTYPE)
     lines = ["The guide's runs (Llama-2-70B), predicted vs published (GiB per GPU):",
-             f"  {'run':<22}{'predicted':>10}{'published':>12}{'+ full logits (old stack)':>27}   setup"]
-    for key, plan in plans.items():
+             f"  {'run':<22}{'predicted':>10}{'published':>12}{'+ full logits (old stack)':>27}{'this recipe':>13}"
+             "   setup (this recipe)"]
+    for key, plan in as_published.items():
         lo, hi = PUBLISHED[key]["gpu_gib"]
         pub = f"{lo:g}" if lo == hi else f"{lo:g}-{hi:g}"
         legacy = plan.peak_gib + legacy_logits_bytes(GUIDE_RUNS[key]) / GIB
-        lines.append(f"  {key:<22}{plan.peak_gib:>10.1f}{pub:>12}{legacy:>27.1f}   {plan.setup}")
+        lines.append(f"  {key:<22}{plan.peak_gib:>10.1f}{pub:>12}{legacy:>27.1f}{plans[key].peak_gib:>13.1f}   "
+                     f"{plans[key].setup}")
+    lines.append(f"  (predicted: the guide's setup, a LoRA base in {UPSTREAM_LORA_DTYPE} as upstream loads it; this "
+                 "recipe: its defaults, a bf16 base for LoRA under bf16 mixed precision)")
     lines += render_load_comparison(plans, upstream)
     host = plans["qlora-2x24-offload"].host_peak_bytes / GIB
     row = {r.name: r.bytes for r in upstream["qlora-2x24-offload"].host_rows}
@@ -155,9 +171,10 @@ def render_guide_comparison(plans: dict[str, MemoryPlan] | None = None,
                  f"~{PUBLISHED['qlora-2x24-offload']['host_gib']:g} GB")
     for key in ("lora-8x80", "qlora-2x24-offload"):
         row = {r.name: r.bytes for r in plans[key].host_rows} if key in plans else {}
-        if row:
+        theirs = {r.name: r.bytes for r in upstream[key].host_rows} if key in upstream else {}
+        if row and theirs:
             lines.append(f"  final save, {key}: {row['final save (rank 0)'] / GIB:.2f} GiB of host RAM on rank 0 (the "
-                         f"adapter, gathered then written) vs {row[UPSTREAM_SAVE_ROW] / GIB:.0f} GiB for upstream's "
+                         f"adapter, gathered then written) vs {theirs[UPSTREAM_SAVE_ROW] / GIB:.0f} GiB for upstream's "
                          "FULL_STATE_DICT gather of every weight")
     lines.append("  Gaps: the guide's stack materialized the full logits in fp32 for the loss (T x V x 10 bytes; the "
                  "'+ full logits' column adds them, an upper bound); nvidia-smi shows reserved memory, above what "

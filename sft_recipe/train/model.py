@@ -107,14 +107,26 @@ def bnb_config(model_args: ModelArguments):
 
 
 def model_dtype(model_args: ModelArguments) -> torch.dtype:
-    """The dtype weights are loaded in, as upstream: 4-bit with a float storage dtype loads in that dtype (the guide's
+    """The dtype the base's weights are loaded in. 4-bit with a float storage dtype loads in that dtype (the guide's
     rule: FSDP flattens parameters of one dtype, so the packed 4-bit storage must match the rest of the model);
-    everything else loads in fp32 and `--bf16` trains with bf16 mixed precision over fp32 master weights (the LoRA
-    weights and their optimizer state stay fp32)."""
+    otherwise `--torch_dtype` as parse_args resolved it (args.default_torch_dtype: bfloat16 for LoRA under bf16 mixed
+    precision, else float32, upstream's), "auto" being the checkpoint's own dtype. LoRA weights and their optimizer
+    state stay fp32 whatever the base's dtype."""
     storage = DTYPES[model_args.bnb_4bit_quant_storage_dtype]
     if model_args.use_4bit_quantization and storage.is_floating_point:
         return storage
-    return torch.float32
+    if model_args.torch_dtype == "auto":
+        return checkpoint_dtype(model_args.model_name_or_path)
+    return DTYPES.get(model_args.torch_dtype or "float32", torch.float32)
+
+
+def checkpoint_dtype(model_name_or_path: str, trust_remote_code: bool = False) -> torch.dtype:
+    """The dtype a checkpoint's config says its weights are stored in (float32 when it says none)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    dtype = getattr(config.get_text_config(), "dtype", None) or getattr(config, "dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
 def attention_kwargs(model_args: ModelArguments) -> dict:

@@ -127,9 +127,9 @@ class RunRecord(TrainerCallback):
         self.set("memory",
                  rss_anon_after_load_mib_per_rank=[round(float(x), 1) for x in ranks[:, 0]],
                  rss_file_after_load_mib_per_rank=[round(float(x), 1) for x in ranks[:, 1]],
-                 weight_mib_after_load_per_rank=[round(float(x), 2) for x in ranks[:, 2]],
+                 weight_mib_after_load_per_rank=[round(float(x), 3) for x in ranks[:, 2]],
                  rss_anon_after_wrap_mib_per_rank=[round(float(x), 1) for x in ranks[:, 3]],
-                 weight_mib_after_wrap_per_rank=[round(float(x), 2) for x in ranks[:, 4]],
+                 weight_mib_after_wrap_per_rank=[round(float(x), 3) for x in ranks[:, 4]],
                  gpu_peak_gib_after_load_per_rank=_gpu_values(ranks[:, 5]),
                  gpu_peak_gib_after_wrap_per_rank=_gpu_values(ranks[:, 6]))
         if torch.cuda.is_available():

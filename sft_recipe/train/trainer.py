@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
 import transformers.trainer as transformers_trainer  # module attributes: keeps compat's patches of save/load_fsdp_model
 from transformers import TrainerCallback
 from trl import SFTTrainer
@@ -85,11 +86,28 @@ class ReshardAfterEvaluation(TrainerCallback):
             self.unsharded_params_seen = max(self.unsharded_params_seen, unsharded)
 
 
+def upcast_trainable_half_params(model) -> int:
+    """Train in fp32 what PEFT copied from a half-precision base: `modules_to_save` copies and trainable-token rows
+    (LoRA/DoRA weights are fp32 already: PEFT's autocast_adapter_dtype). Returns how many were cast. Not for a
+    quantized base: TRL casts QLoRA adapters to bf16 on purpose (the guide's FSDP1 QLoRA computes with them)."""
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False) or \
+            getattr(getattr(model, "config", None), "quantization_config", None) is not None:
+        return 0
+    cast = 0
+    for param in model.parameters():
+        if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16):
+            param.data = param.data.float()
+            cast += 1
+    return cast
+
+
 class RecipeSFTTrainer(SFTTrainer):
     def __init__(self, *args, verify_adapter: bool = True, **kwargs):
         if not compat.installed():  # the library patches this trainer relies on (FSDP1 checkpoint names, ...)
             raise RuntimeError("call sft_recipe.compat.install(launch) before building RecipeSFTTrainer")
         super().__init__(*args, **kwargs)
+        if not self.is_deepspeed_enabled:  # DeepSpeed's bf16 engine keeps fp32 master weights itself
+            upcast_trainable_half_params(self.model)
         self.verify_adapter = verify_adapter
         # Chosen now, before FSDP wraps the model: which tensors every adapter save gathers (gather.py).
         self.adapter_keys = adapter_state_keys(self.model)

@@ -170,12 +170,15 @@ def test_full_shard_divides_the_weights_by_the_number_of_gpus(lora_args):
     weights = {n: _row(_plan(lora_args, _fsdp(n)), "base weights") for n in (2, 4, 8, 16)}
     p = model_shape(LLAMA_70B, extra_vocab=4).total_params
     for n, b in weights.items():
-        assert b == pytest.approx(p * 4 / n)  # fp32 weights (the recipe loads LoRA runs in fp32, as upstream)
+        assert b == pytest.approx(p * 2 / n)  # bf16 weights: the recipe's LoRA base under bf16 mixed precision
     ddp = _plan(lora_args, {"distributed_type": "MULTI_GPU", "num_processes": 8})
-    assert _row(ddp, "base weights") == pytest.approx(p * 4)  # DDP replicates
+    assert _row(ddp, "base weights") == pytest.approx(p * 2)  # DDP replicates
     offloaded = _plan(lora_args, _fsdp(8, offload=True))
     assert _row(offloaded, "base weights") == 0  # offload: the shards live in host RAM
-    assert any(r.name == "offloaded shards" and r.bytes > p * 4 / 8 * 8 * 0.99 for r in offloaded.host_rows)
+    assert any(r.name == "offloaded shards" and r.bytes > p * 2 / 8 * 8 * 0.99 for r in offloaded.host_rows)
+    model_args, data_args, _, training_args = lora_args
+    upstream = plan_memory(replace(model_args, torch_dtype="float32"), data_args, training_args, _fsdp(8), None, 80.0)
+    assert _row(upstream, "base weights") == pytest.approx(p * 4 / 8)  # upstream's fp32 load: twice the bytes
 
 
 def test_4bit_shrinks_the_weights_about_4x_against_16_bit(lora_args):
@@ -237,10 +240,13 @@ def test_guide_predictions_land_near_the_published_figures():
     """Bands: LoRA inside the published 72-80 GiB; QLoRA within 25% (offload) and 15% (no offload) below the
     published figures, which came from a stack that also materialized the full fp32 logits and read nvidia-smi's
     reserved memory (see render_guide_comparison)."""
-    plans = guide_plans()
+    plans = guide_plans(lora_dtype="float32")  # the published run loaded its LoRA base in fp32, as upstream does
     lo, hi = PUBLISHED["lora-8x80"]["gpu_gib"]
     assert lo <= plans["lora-8x80"].peak_gib <= hi
     assert plans["lora-8x80"].fits
+    ours = guide_plans()["lora-8x80"]  # the recipe's bf16 base: the base's shard halved, nothing else changed
+    shape = model_shape(LLAMA_70B, extra_vocab=4)
+    assert plans["lora-8x80"].peak_bytes - ours.peak_bytes == pytest.approx(shape.total_params * 2 / 8, rel=0.05)
     offload = plans["qlora-2x24-offload"].peak_gib
     assert 0.75 * 19.6 <= offload <= 1.05 * 19.6 and plans["qlora-2x24-offload"].fits
     no_offload = plans["qlora-2x24"].peak_gib
@@ -252,7 +258,7 @@ def test_guide_predictions_land_near_the_published_figures():
 def test_the_plan_knows_the_adapter_only_save_and_the_load():
     """The final save costs 2 x the adapter (gathered, then written), not upstream's full gather, which is listed
     beside it; cpu_ram_efficient_loading loads one copy per machine for LoRA, one per rank for 4-bit."""
-    plans = guide_plans()
+    plans = guide_plans(lora_dtype="float32")  # as upstream loads the LoRA base
     lora = {r.name: r.bytes for r in plans["lora-8x80"].host_rows}
     shape = model_shape(LLAMA_70B, extra_vocab=8)  # chatml's tokens
     weights_fp32 = shape.total_params * 4
@@ -264,8 +270,9 @@ def test_the_plan_knows_the_adapter_only_save_and_the_load():
     assert lora["loading"] == pytest.approx(weights_fp32, rel=0.01)  # rank 0 only, not 8 copies
     qlora = {r.name: r.bytes for r in plans["qlora-2x24-offload"].host_rows}
     assert qlora["loading"] == pytest.approx(2 * qlora["upstream's final save (rank 0)"], rel=0.01)  # each rank
-    text = render_guide_comparison(plans)
-    assert "final save, lora-8x80: 4.6" in text and "vs 257 GiB for upstream's FULL_STATE_DICT gather" in text
+    text = render_guide_comparison(as_published=plans)
+    # the recipe's bf16 base: its resized embedding and head are saved in bf16, half the fp32 ones
+    assert "final save, lora-8x80: 2.7" in text and "vs 257 GiB for upstream's FULL_STATE_DICT gather" in text
 
 
 # ------------------------------------------------------------------------------------------------------ the CLI
