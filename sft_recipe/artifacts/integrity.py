@@ -76,7 +76,7 @@ def json_problem(path: str | os.PathLike) -> str | None:
     except ValueError as e:
         if os.path.getsize(path) == 0:
             return "is empty (0 bytes)"
-        return f"is not valid JSON ({getattr(e, 'msg', e)} at line {getattr(e, 'lineno', '?')}): damaged or cut short"
+        return f"is not valid JSON ({getattr(e, 'msg', e)}; line {getattr(e, 'lineno', '?')}): damaged or cut short"
     except OSError as e:
         return f"cannot be read ({e.strerror or e})"
     return None
