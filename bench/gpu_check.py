@@ -4,7 +4,10 @@ Each step is a real `accelerate launch` / launch-script run of train.py on an 8B
 MLP 14336, 32 heads / 8 KV heads, vocab 128256, GPU_CHECK_LAYERS decoder layers, default 4), sequence 2048, packing,
 gradient checkpointing, SDPA, the tiny chat data repeated, a few steps. Each is time-boxed and fails soft: a failure
 or timeout is a row in the table, and the next step runs. Steps:
-    lora / lora+offload     FSDP2 on 1 process (configs/fsdp2_config.yaml --num_processes 1), CPU offload off / on
+    lora / lora+offload     FSDP2 on 1 process (configs/fsdp2_config.yaml --num_processes 1), CPU offload off / on;
+                            the base in bf16 (the recipe's default for LoRA under --bf16 True)
+    lora-fp32base           lora with upstream's fp32 base (--torch_dtype float32): memory and tokens/s beside lora
+    lora+actoffload         lora with TRL's --activation_offloading True
     qlora / qlora+offload   the same with 4-bit NF4, nested quant, bf16 storage (the guide's QLoRA settings)
     qlora-quantizer         qlora with transformers' own placement of the 4-bit base (no device_map: upstream's path;
                             bench/train_with_quantizer_placement.py): its "GPU at load" column is the whole base
@@ -111,6 +114,15 @@ def steps(model: Path, data: Path) -> list[dict]:
                                plan=plan + ["--fsdp_offload_params", offload, *flags], out=out / label))
             if SMOKE and label == "lora+offload":  # the same up-front refusal as qlora+offload: 8 s of suite time
                 result[-1] = dict(name=label, skip="smoke: refused on CPU like qlora+offload (offload needs a GPU)")
+    # The lora run with upstream's fp32 base (the recipe's default is bf16 under --bf16 True), and with TRL's
+    # activation offloading: peak memory and tokens/s beside the lora row.
+    for label, extra in (("lora-fp32base", ["--torch_dtype", "float32"]),
+                         ("lora+actoffload", ["--activation_offloading", "True"])):
+        flags = common_flags(model, data, out / label) + extra
+        result.append(dict(name=label, cmd=launch + ["--fsdp_offload_params", "false", "train.py", *flags],
+                           plan=plan + ["--fsdp_offload_params", "false", *flags], out=out / label))
+        if SMOKE:  # fp32 is the smoke's lora row already (--bf16 False); offloading needs a GPU (refused on CPU)
+            result[-1] = dict(name=label, skip="smoke: the lora row covers it on CPU (fp32; offloading needs a GPU)")
     # The same qlora run with the base placed by transformers' quantizer (upstream's path): the load column's contrast.
     flags = common_flags(model, data, out / "qlora-quantizer") + qlora_flags(storage)
     result.append(dict(name="qlora-quantizer", cmd=launch + ["--fsdp_offload_params", "false",

@@ -19,8 +19,9 @@ def test_gpu_check_smoke_prints_one_row_per_step(tmp_path):
     result = run_command(["bash", "bench/gpu_check.sh"], tmp_path, env=env, timeout=300)
     assert result.returncode == 0, result.output[-5000:]
     rows = {r["step"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())}
-    assert list(rows) == ["lora", "lora+offload", "qlora", "qlora+offload", "qlora-quantizer", "qlora-1gpu", "gptq",
-                          "upstream"]
+    assert list(rows) == ["lora", "lora+offload", "qlora", "qlora+offload", "lora-fp32base", "lora+actoffload",
+                          "qlora-quantizer", "qlora-1gpu", "gptq", "upstream"]
+    assert rows["lora-fp32base"]["status"] == rows["lora+actoffload"]["status"] == "skipped"  # GPU-only contrasts
     for name in ("lora", "qlora", "qlora-quantizer", "qlora-1gpu"):
         row = rows[name]
         assert (row["status"], row["adapter_check"]) == ("ok", "pass"), row

@@ -36,3 +36,27 @@ def ddp_problems(m, t, launch) -> list[str]:
             "DDP fails in the first backward (\"Expected to mark a variable ready only once\"), because reentrant "
             "checkpointing re-runs each block's forward inside backward. Fix: --use_reentrant False (as "
             "run_peft_multigpu.sh), or one process (run_peft.sh), or FSDP."]
+
+
+def activation_offloading_problems(t, launch) -> list[str]:
+    """--activation_offloading True (TRL's: saved activations move from the GPU to host RAM during forward and back
+    for backward), where it is exercised: one process and FSDP2 on a GPU (bench/gpu_check.sh's lora+actoffload row).
+    - Without a GPU there is nothing to offload to: TRL 1.16 asks `torch.accelerator.current_accelerator()`, which is
+      None on a CPU, and the trainer fails after the model has loaded.
+    - FSDP1 (flat parameters) and DeepSpeed ZeRO-3 hand the modules gathered weights that are not `nn.Parameter`s,
+      and TRL tells weights from activations by that type and by storages recorded before wrapping: every gathered
+      layer's weights would be copied to host RAM and back each step as if they were activations."""
+    if not getattr(t, "activation_offloading", False):
+        return []
+    import torch
+
+    if launch.use_cpu or getattr(t, "use_cpu", False) or not torch.cuda.is_available():
+        return ["--activation_offloading True needs a CUDA GPU: it moves saved activations from the GPU to host RAM, "
+                "and on a CPU run they are in host RAM already (TRL 1.16 fails looking for an accelerator). Fix: "
+                "--activation_offloading False."]
+    if (launch.use_fsdp and launch.fsdp_version == 1) or launch.use_deepspeed:
+        engine = "FSDP1" if launch.use_fsdp else "DeepSpeed"
+        return [f"--activation_offloading True under {engine}: TRL 1.16 would offload the gathered weights of every "
+                "layer as if they were activations (they are not nn.Parameters there). Fix: FSDP2 "
+                "(configs/fsdp2_config.yaml) or one process, or --activation_offloading False."]
+    return []

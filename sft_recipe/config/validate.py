@@ -19,10 +19,11 @@ logger = logging.getLogger(__name__)
 
 
 def _model_problems(m: ModelArguments, t, launch: LaunchEnv) -> list[str]:
-    from sft_recipe.config.launch_checks import ddp_problems, unsloth_problems
+    from sft_recipe.config.launch_checks import activation_offloading_problems, ddp_problems, unsloth_problems
 
     problems = unsloth_problems(m)
     problems += ddp_problems(m, t, launch)
+    problems += activation_offloading_problems(t, launch)
     if m.use_4bit_quantization and m.use_8bit_quantization:
         problems.append("--use_4bit_quantization and --use_8bit_quantization are both True. Fix: keep one (4-bit is "
                         "the QLoRA recipe).")

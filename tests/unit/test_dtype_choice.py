@@ -76,3 +76,20 @@ def test_trainable_copies_of_a_half_precision_base_train_in_fp32(tiny):
     assert upcast_trainable_half_params(peft_model) == 1  # only the copy: LoRA weights were fp32 already
     assert {p.dtype for p in peft_model.parameters() if p.requires_grad} == {torch.float32}
     assert {p.dtype for p in peft_model.parameters() if not p.requires_grad} == {torch.bfloat16}  # the base stays
+
+
+def test_activation_offloading_is_refused_where_it_cannot_work(monkeypatch):
+    from sft_recipe.config.launch_checks import activation_offloading_problems
+    from sft_recipe.config.launch_env import LaunchEnv
+
+    asked = SimpleNamespace(activation_offloading=True, use_cpu=False)
+    no_gpu = activation_offloading_problems(asked, LaunchEnv())
+    assert len(no_gpu) == 1 and "needs a CUDA GPU" in no_gpu[0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the decision on a GPU machine
+    fsdp1 = LaunchEnv(world_size=2, use_fsdp=True, fsdp_version=1)
+    fsdp2 = LaunchEnv(world_size=2, use_fsdp=True, fsdp_version=2)
+    assert "under FSDP1" in activation_offloading_problems(asked, fsdp1)[0]
+    assert "under DeepSpeed" in activation_offloading_problems(asked, LaunchEnv(world_size=2, use_deepspeed=True))[0]
+    assert activation_offloading_problems(asked, fsdp2) == []
+    assert activation_offloading_problems(asked, LaunchEnv()) == []  # one process
+    assert activation_offloading_problems(SimpleNamespace(activation_offloading=False), fsdp1) == []
