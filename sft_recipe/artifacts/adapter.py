@@ -81,12 +81,15 @@ def expected_adapter_tensors(adapter_dir: str, trust_remote_code: bool = False) 
     base = meta_model(peft_config.base_model_name_or_path, trust_remote_code)
     # Embedding rows the run added are saved with the adapter: size the meta model like the saved tensors.
     saved_rows = saved_embedding_rows(adapter_dir, embedding_leaf_name(base))
-    if saved_rows is not None and saved_rows != base.get_input_embeddings().weight.shape[0]:
+    # Resized: PEFT saved the whole embedding and head. A modules_to_save copy of an embedding that kept its size
+    # holds rows too, but then PEFT saves no embedding layer beside it.
+    resized = saved_rows is not None and saved_rows != base.get_input_embeddings().weight.shape[0]
+    if resized:
         base.resize_token_embeddings(saved_rows, mean_resizing=False)
     peft_config.inference_mode = False
     with torch.device("meta"):
         model = get_peft_model(base, peft_config)
-    state = get_peft_model_state_dict(model, save_embedding_layers=saved_rows is not None)
+    state = get_peft_model_state_dict(model, save_embedding_layers=resized)
     return {k: tuple(v.shape) for k, v in state.items()}
 
 

@@ -127,3 +127,28 @@ def test_a_passing_check_moves_the_files_into_place(tiny, tmp_path):
                      str(out), verify=True, trust_remote_code=False)
     assert check_adapter(str(out)).ok and (out / "tokenizer_config.json").is_file()
     assert not list(out.glob(".adapter-writing-*"))
+
+
+@pytest.mark.parametrize("resized", [False, True])
+def test_an_embedding_trained_in_full_passes_with_and_without_a_resized_vocabulary(tiny, tmp_path, resized):
+    """modules_to_save copies of embed_tokens/lm_head hold every row, but PEFT saves the embedding layers beside
+    them only after a resize: the expectation must not ask for them otherwise (the checkpoint check failed
+    "4 of 34 expected tensors are missing" on every one-process run with --lora_modules_to_save and no chat tokens)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny.model_dir))
+    if resized:
+        base.resize_token_embeddings(base.get_input_embeddings().weight.shape[0] + 3, mean_resizing=False)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", modules_to_save=["embed_tokens",
+                                                                                              "lm_head"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    model.save_pretrained(str(tmp_path / "adapter"))
+    saved = load_file(str(tmp_path / "adapter" / ADAPTER_WEIGHTS))
+    assert "base_model.model.model.embed_tokens.weight" in saved  # the trained copy, under the module's name
+    assert any("original_module" in k for k in saved) == resized  # the embedding layers saved beside it
+    report = check_adapter(str(tmp_path / "adapter"))
+    assert report.ok, report.summary()
