@@ -72,3 +72,12 @@ def test_quantized_load_bench_smoke_measures_the_plans_bytes_and_plans_every_eng
     assert '{"": "cpu"}' in rows["FSDP1 (guide's config)"] and rows["FSDP1 (guide's config)"].endswith("| fits |")
     assert rows["FSDP1, upstream's path"].endswith("| does not fit at load |")
     assert "refused before loading" in rows["DeepSpeed ZeRO-3"]
+
+
+def test_dtype_bench_smoke_halves_the_base_as_the_plan_says():
+    proc = _bench("bench/dtype_scale.py", "--smoke")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| llama-256x2-bf16 | fsdp2 |")]
+    assert len(rows) == 1, proc.stdout
+    load_ratio, wrap_ratio = (float(x) for x in rows[0].split("|")[5].split("/"))
+    assert abs(load_ratio - 1) < 0.05 and abs(wrap_ratio - 1) < 0.05, rows[0]  # the base's bytes halved, as planned
