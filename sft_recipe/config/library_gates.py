@@ -85,7 +85,12 @@ def library_gate(func: Any) -> Gate:
         func = func.__init__
     elif not inspect.isfunction(inspect.unwrap(func)) and not inspect.ismethod(func):
         func = type(func).__call__
-    return _gate(inspect.unwrap(func))
+    try:
+        return _gate(inspect.unwrap(func))
+    except Exception:  # bytecode of another Python (the GPU image runs 3.12) read otherwise: never stop a run here
+        # Without the up-front check the library still raises its own error when the package is missing; the
+        # suite's tests (tests/unit/test_optional_deps.py) fail where this reading breaks on the tested Python.
+        return Gate(owner=getattr(func, "__qualname__", repr(func)), needs=(), namespace={})
 
 
 @cache
