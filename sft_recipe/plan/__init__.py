@@ -3,12 +3,18 @@
     python -m sft_recipe.plan --config_file configs/fsdp_config.yaml --gpu_memory_gib 80 [train.py flags]
     python -m sft_recipe.plan --config_file configs/fsdp_config.yaml --gpu_memory_gib 80 \
         --config recipes/llama2_70b_lora.yaml --model_name_or_path sft_recipe/plan/models/llama-2-70b
+    python -m sft_recipe.plan --fewest_gpus --gpu_memory_gib 80 --config recipes/llama2_70b_lora.yaml
+    python -m sft_recipe.plan --longest_seq_len --gpu_memory_gib 24 --config_file configs/fsdp_config_qlora.yaml \
+        --config recipes/llama2_70b_qlora.yaml
 
 The planner takes the same flags and accelerate YAML as training plus the memory of one GPU, builds the model on the
 meta device (its config only: no weight is downloaded, read or allocated, so a 70B costs what the tiny model costs),
 and prints, per rank: base weights, LoRA/DoRA parameters, gradients, optimizer state, activations, FSDP all-gather
 buffers and framework overhead; host RAM per node; a verdict (fits or not, headroom); and when it does not fit, the
-cheapest changes that make it fit, in order, each with its predicted per-GPU memory.
+cheapest changes that make it fit, in order, each with its predicted per-GPU memory. The renting questions
+(renting.py) search over the same plans: the fewest GPUs of a given memory that fit (per engine, with and without
+CPU offload) and the longest --max_seq_len that fits a setup (checkpointing and TRL's --activation_offloading on and
+off), each answer with its plan and the `accelerate launch` command.
 
 Notation used in every formula of this package (all sizes in bytes unless a name says otherwise):
 
@@ -17,8 +23,9 @@ Notation used in every formula of this package (all sizes in bytes unless a name
            V  vocabulary (rows of the output head)
     N      processes (ranks);  n  ranks per machine;  G  ranks a parameter is sharded over
            (FULL_SHARD / SHARD_GRAD_OP / FSDP2: N;  HYBRID_SHARD: n;  NO_SHARD, DDP, one process: 1)
-    b      bytes per base weight as loaded: 4 (fp32, how the recipe loads LoRA runs, as upstream), or the 4-bit
-           storage dtype's size (QLoRA under FSDP loads the model in --bnb_4bit_quant_storage_dtype)
+    b      bytes per base weight as loaded (--torch_dtype): 2 for LoRA under --bf16 True (the recipe's default), 4
+           with --torch_dtype float32 (upstream's load) or without bf16; the 4-bit storage dtype's size (QLoRA under
+           FSDP loads the model in --bnb_4bit_quant_storage_dtype)
     a      bytes per activation element: 2 with bf16/fp16 (mixed precision or a bf16 model), else 4
     B, S   micro-batch (--per_device_train_batch_size) and sequence length (--max_length); T = B x S tokens per
            step (packing fills rows to S; without packing S is the worst case, the longest row)
@@ -47,6 +54,7 @@ The modules, in the order a plan is made:
     cpu.py         peak RSS per rank of a CPU run (constants measured on this stack)
     result.py      MemoryPlan, its rows, and how it prints
     planner.py     plan_memory, and the fit ladder when a run does not fit
+    renting.py     the fewest GPUs that fit, the longest --max_seq_len that fits (--fewest_gpus, --longest_seq_len)
     guide.py       the guide's runs, predicted vs published (--guide)
     cli.py         the command line (__main__.py runs it)
 """
@@ -57,6 +65,7 @@ from sft_recipe.plan.components import base_weight_bytes as _base_weight_bytes  
 from sft_recipe.plan.guide import PUBLISHED, guide_plans, render_guide_comparison
 from sft_recipe.plan.inputs import Distribution, Workload, parse_train_flags, read_accelerate_config, workload
 from sft_recipe.plan.planner import fit_ladder, plan_memory
+from sft_recipe.plan.renting import Answer, fewest_gpus, longest_seq_len, run_from_flags
 from sft_recipe.plan.result import GIB, MIB, MemoryPlan
 from sft_recipe.plan.shape import ModelShape, model_shape
 
@@ -69,16 +78,20 @@ __all__ = [
     "MemoryPlan",
     "ModelShape",
     "Workload",
+    "Answer",
     "_base_weight_bytes",
     "activation_bytes_per_token_per_layer",
     "adapter_bytes",
+    "fewest_gpus",
     "fit_ladder",
     "guide_plans",
+    "longest_seq_len",
     "main",
     "model_shape",
     "parse_train_flags",
     "plan_memory",
     "read_accelerate_config",
     "render_guide_comparison",
+    "run_from_flags",
     "workload",
 ]

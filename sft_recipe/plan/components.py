@@ -4,6 +4,8 @@ the notation is the package's (sft_recipe/plan/__init__.py)."""
 
 from __future__ import annotations
 
+import math
+
 from sft_recipe.plan.inputs import Distribution, Workload
 from sft_recipe.plan.result import Row
 from sft_recipe.plan.shape import ModelShape
@@ -126,19 +128,76 @@ def activation_rows(shape: ModelShape, w: Workload, device: str) -> list[Row]:
     - output head (TRL's fused, chunked log-prob head): T*h*(4 + 2a) (fp32 gradient accumulator, saved input, cast
       back) + 2*min(T, 4096)*min(V, 32768)*a (logit tiles, forward and backward); the full T x V logits are never
       materialized.
+    - with --activation_offloading (CUDA only; see offloaded_activation_bytes): what autograd saves goes to host RAM,
+      and the GPU keeps only the tensors in flight: with checkpointing 2*T*h*a (the layer input brought back for its
+      recompute, and the previous one until its copy event), without it T*c (at most one layer's saved tensors:
+      TRL's forward stash of 5 tensors, the current and previous backward node). The recomputed layer, the working
+      set and the output head stay on the GPU (with --use_reentrant the recomputed layer passes through TRL's hook
+      too, copied out and back within its own backward: counted whole here, an upper bound).
     """
     a, T, L, h, i = w.compute_bytes, w.tokens, shape.num_layers, shape.hidden_size, shape.intermediate_size
     c = activation_bytes_per_token_per_layer(shape, w, device)
+    offload = w.activation_offloading and device == "cuda"
     rows = []
-    if w.gradient_checkpointing:
+    if w.gradient_checkpointing and offload:
+        rows.append(Row("activations: checkpoints in flight", 2 * T * h * a,
+                        f"2*T*h*a, T={T}, a={a} (L*T*h*a offloaded to host RAM)"))
+        rows.append(Row("activations: recomputed layer", T * c, f"T*c, c={c:,.0f} B/token/layer"))
+    elif w.gradient_checkpointing:
         rows.append(Row("activations: checkpoints", L * T * h * a, f"L*T*h*a, T={T}, a={a}"))
         rows.append(Row("activations: recomputed layer", T * c, f"T*c, c={c:,.0f} B/token/layer"))
+    elif offload:
+        rows.append(Row("activations: saved, in flight", T * c,
+                        f"T*c, T={T}, c={c:,.0f} B/token/layer (L*T*c offloaded to host RAM)"))
     else:
         rows.append(Row("activations: saved", L * T * c, f"L*T*c, T={T}, c={c:,.0f} B/token/layer"))
     rows.append(Row("activations: backward working set", 2 * T * (h + i) * a, "2*T*(h+i)*a"))
     head = T * h * (4 + 2 * a) + 2 * min(T, 4096) * min(shape.vocab_size, 32768) * a
     rows.append(Row("activations: output head", head, "T*h*(4+2a) + 2*min(T,4096)*min(V,32768)*a (chunked)"))
     return rows
+
+
+def pinned(nbytes: float) -> float:
+    """Bytes torch's pinned host allocator takes for one tensor: its size rounded up to a power of two (torch 2.13
+    CachingHostAllocator, with the default pinned_max_round_threshold), kept cached for reuse by the next step."""
+    return float(2 ** math.ceil(math.log2(nbytes))) if nbytes > 1 else float(nbytes)
+
+
+def offloaded_activation_bytes(shape: ModelShape, w: Workload) -> tuple[float, str]:
+    """Host RAM one rank pins for TRL 1.16's activation offloading (`--activation_offloading True`), 0 without it.
+
+    TRL wraps each training step (forward and backward) in `OffloadActivations`, a saved_tensors_hooks context:
+    every tensor autograd saves that is on the GPU, at least 1024 bytes and not a parameter is copied to pinned host
+    memory in the forward and brought back when its backward node runs. Measured with the same hooks on a Llama +
+    LoRA (2 layers minus 1 layer):
+    - with non-reentrant checkpointing (the recipe's default), what reaches the outer hook is each layer's input
+      only (T*h*a per layer); the recomputation in backward saves under torch's own hook and stays on the GPU:
+          L x pinned(T*h*a)
+      with --use_reentrant True (the QLoRA recipe's) the recomputation runs under TRL's hook as well: each recomputed
+      layer's saved tensors are copied out and back during its backward, + one layer's T*c (the pinned blocks are
+      reused layer after layer)
+    - without checkpointing, every saved tensor of every layer: L*T*c, each term rounded as its tensors are
+          L*T*(ACT_H*h*r(h) + ACT_I*i*r(i) + ACT_KV*kv*r(kv) + the rest),  r(x) = pinned(T*x*a) / (T*x*a)
+    - plus outside the layers (final norm's fp32 input, the fused head's input): T*h*(4 + a), measured 3-6 x h per
+      token.
+    pinned(): torch's pinned host allocator rounds each tensor up to a power of two and caches the blocks, so the
+    host holds this through the run. Per machine: x ranks on it (gpu.host_ram_rows).
+    """
+    if not w.activation_offloading:
+        return 0.0, "no activation offloading"
+    a, T, L, h, i = w.compute_bytes, w.tokens, shape.num_layers, shape.hidden_size, shape.intermediate_size
+    outside = T * h * (4 + a)
+    c = activation_bytes_per_token_per_layer(shape, w, "cuda")
+    if w.gradient_checkpointing:
+        total = L * pinned(T * h * a) + outside
+        formula = "L x pinned(T*h*a) + T*h*(4+a) (layer inputs, pinned to powers of 2)"
+        if w.reentrant_checkpointing:
+            total, formula = total + T * c, formula + " + T*c (reentrant recompute of one layer)"
+        return total, formula
+    kv = shape.kv_width
+    terms = [(h, ACT_H[a] * h), (i, ACT_I[a] * i), (kv, ACT_KV[a] * kv)]  # (tensor width, bytes per token)
+    rounded = sum(part * pinned(T * x * a) / (T * x * a) for x, part in terms) + c - sum(p for _, p in terms)
+    return L * T * rounded + outside, "L*T*c with each tensor pinned to a power of 2 + T*h*(4+a)"
 
 
 def gather_bytes(shape: ModelShape, w: Workload, d: Distribution) -> tuple[float, str]:

@@ -8,6 +8,7 @@ from sft_recipe.plan.components import (
     base_weight_bytes,
     count_trainable,
     gather_bytes,
+    offloaded_activation_bytes,
     optimizer_bytes,
 )
 from sft_recipe.plan.inputs import Distribution, Workload
@@ -113,12 +114,14 @@ def quantization_seconds(shape: ModelShape, w: Workload, threads: int = DEFAULT_
 def host_ram_rows(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) -> tuple[list[Row], float]:
     """Host RAM of one machine of a CUDA run: (rows, then notes not in the peak; peak bytes).
 
-    host = runtime (n x host_runtime_gib) + max(loading, offloaded + final save), where
+    host = runtime (n x host_runtime_gib) + max(loading, offloaded + activations + final save), where
            loading     = one copy of the loaded weights on local rank 0 and none on the others
                          (cpu_ram_efficient_loading, not quantized); a quantized base under FSDP on the recipe's
                          path: one copy per rank (each quantizes its own on the CPU); a quantized base placed on
                          the GPU by transformers (one process, DDP, upstream's FSDP path): none; else one per rank,
            offloaded   = (weights + trainable + gradients + optimizer) x n/G,
+           activations = n x what one rank pins for --activation_offloading (components.offloaded_activation_bytes;
+                         the pinned blocks stay cached from the first step to the end of the run),
            final save  = 2 x the adapter's bytes on rank 0 (gathered, then written): sft_recipe/artifacts/gather.py
                          gathers only what the adapter holds. Upstream's FULL_STATE_DICT save gathers every
                          weight there instead: listed as a note, not in the peak.
@@ -149,6 +152,11 @@ def host_ram_rows(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) 
     if d.offload:
         offloaded = (shardable + (2 * trainable * tbytes + opt)) * n / G
         host.append(Row("offloaded shards", offloaded, "(weights + trainable + grads + optimizer) x n/G", "host"))
+    activations, acformula = offloaded_activation_bytes(shape, w)
+    activations *= n
+    if activations:
+        host.append(Row("offloaded activations", activations, f"{n} x ({acformula}) (--activation_offloading)",
+                        "host"))
     adapter, aformula = adapter_bytes(shape, w)
     save = 2 * adapter
     host.append(Row("final save (rank 0)", save, f"2 x adapter ({aformula}): only what the adapter holds", "host"))
@@ -157,5 +165,5 @@ def host_ram_rows(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) 
     if d.kind == "fsdp":
         notes.append(Row(UPSTREAM_SAVE_ROW, shardable + replicated,
                          "FULL_STATE_DICT gathers every weight to rank 0's RAM (not in the peak)", "note"))
-    host_peak = host[0].bytes + max(load, offloaded + save)
+    host_peak = host[0].bytes + max(load, offloaded + activations + save)
     return host + notes, host_peak

@@ -33,6 +33,7 @@ LORA_RECIPE: dict[str, Any] = {
     "per_device_train_batch_size": 8,
     "gradient_accumulation_steps": 4,
     "gradient_checkpointing": True,
+    "use_reentrant": False,  # sizes nothing but --activation_offloading's host RAM (renting.py)
     "use_flash_attn": True,
     "use_peft_lora": True,
     "lora_r": 8,
@@ -44,6 +45,7 @@ QLORA_RECIPE: dict[str, Any] = {
     **LORA_RECIPE,
     "per_device_train_batch_size": 2,
     "gradient_accumulation_steps": 2,
+    "use_reentrant": True,
     "use_4bit_quantization": True,
     "use_nested_quant": True,
     "bnb_4bit_compute_dtype": "bfloat16",
@@ -180,5 +182,8 @@ def render_guide_comparison(plans: dict[str, MemoryPlan] | None = None,
                  "'+ full logits' column adds them, an upper bound); nvidia-smi shows reserved memory, above what "
                  "the allocator hands out; host RAM figures also depend on the page cache the checkpoint reads fill "
                  "(not counted in the peak).")
+    from sft_recipe.plan.renting import render_guide_renting  # renting imports this module
+
+    lines += render_guide_renting()
     return "\n".join(lines)
 

@@ -72,6 +72,8 @@ class Workload:
     optimizer: str
     flash_attention: bool
     extra_vocab: int
+    activation_offloading: bool = False  # TRL's SFTConfig option: saved activations go to pinned host RAM
+    reentrant_checkpointing: bool = False  # --use_reentrant: the recomputation runs under the offloading hooks too
 
     @property
     def tokens(self) -> int:
@@ -177,6 +179,8 @@ def workload(model_args, data_args, training_args, device: str, dora: bool = Fal
         optimizer=str(getattr(training_args.optim, "value", training_args.optim)),
         flash_attention=bool(model_args.use_flash_attn) and device == "cuda",
         extra_vocab=extra_vocab,
+        activation_offloading=bool(getattr(training_args, "activation_offloading", False)),
+        reentrant_checkpointing=bool(checkpointing) and bool(getattr(model_args, "use_reentrant", False)),
     )
 
 
@@ -199,6 +203,13 @@ def check_inputs(gpu_memory_gib, device: str, d: Distribution, w: Workload) -> N
         problems.append("fsdp_offload_params: true on a CPU run: torch pins the offloaded shards in page-locked "
                         "memory, which needs a GPU (\"Cannot access accelerator device\"). Fix: plan it with "
                         "--device cuda, or drop fsdp_offload_params for the CPU run.")
+    if device == "cpu" and w.activation_offloading:
+        problems.append("--activation_offloading True on a CPU run: TRL 1.16 offloads activations from an accelerator "
+                        "to host RAM and fails without one. Fix: plan it with --device cuda, or drop the flag.")
+    elif w.activation_offloading and d.kind == "fsdp" and d.fsdp_version == 1:
+        problems.append("--activation_offloading True under FSDP1: train.py refuses it (TRL 1.16 would offload every "
+                        "gathered layer's weights as activations). Fix: FSDP2 (configs/fsdp2_config.yaml) or one "
+                        "process, or --activation_offloading False.")
     if problems:
         raise ConfigError(problems)
 

@@ -55,6 +55,7 @@ def _plan(shape: ModelShape, w: Workload, d: Distribution, budget: float, device
     notes = []
     flags = [f"B={w.micro_batch} x accumulation {w.grad_accum}", f"seq {w.seq_len}",
              "checkpointing" if w.gradient_checkpointing else "no checkpointing",
+             "activation offloading" if w.activation_offloading else "",
              (f"{'DoRA' if w.dora else 'LoRA'} r={w.lora_r}" if w.lora else "full fine-tuning"),
              {"4bit": "4-bit NF4" + (" + double quant" if w.double_quant else ""), "8bit": "8-bit"}.get(w.quant, "") or
              f"weights {w.load_bytes} B", f"activations {w.compute_bytes} B", w.optimizer]
