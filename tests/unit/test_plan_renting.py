@@ -307,3 +307,36 @@ def test_guide_answers_the_renting_questions():
     qlora = answers["qlora-2x24-offload"]
     assert _by(qlora, checkpointing=True, activation_offloading=False).seq_len >= 2048
     assert _by(qlora, checkpointing=False, activation_offloading=False).seq_len < 2048
+
+
+def test_the_docs_renting_section_is_what_the_plan_answers(capsys):
+    """docs/memory-and-speed.md's renting tables hold the planner's numbers, and its commands run and print the
+    launch command it quotes."""
+    import re
+
+    from sft_recipe.plan.renting import host_at_load_gib
+
+    text = (REPO / "docs" / "memory-and-speed.md").read_text()
+    section = text.split("## Renting: how few GPUs, how long a sequence", 1)[1].split("\n## ", 1)[0]
+    lines = section.splitlines()
+    answers = guide_renting()
+    for key, label in (("lora-8x80-float32", "| fp32"), ("lora-8x80", "| bf16")):
+        row = next(line for line in lines if line.startswith(label))
+        on8, (plain, off) = answers[key]["on_8"], answers[key]["fewest"]
+        for cell in (f"| {on8.peak_gib:.1f} GiB |", f"| {host_at_load_gib(on8):.0f} GiB |",
+                     f"**{plain.num_processes}** ({plain.plan.peak_gib:.1f} GiB each)",
+                     f"{off.num_processes} ({off.plan.peak_gib:.1f} GiB; host "
+                     f"{off.plan.host_peak_bytes / GIB:.0f} GiB)"):
+            assert cell in row, (cell, row)
+    rows = [line for line in lines if line.startswith("| on") or line.startswith("| off")]
+    assert len(rows) == 4
+    for a, row in zip(answers["qlora-2x24-offload"], rows):
+        assert row.startswith(f"| {'on' if a.checkpointing else 'off'}")
+        assert f"| {a.seq_len} |" in row.replace("**", "") and f"| {a.plan.host_peak_bytes / GIB:.0f} GiB |" in row
+    commands = [" ".join(c.split()) for c in re.findall(r"`(python -m sft_recipe\.plan --[fl][^`]+)`", section)]
+    assert len(commands) == 2
+    for command in commands:
+        assert main(command.split()[3:] + ["--no_breakdown"]) == 0
+    out = capsys.readouterr().out
+    quoted = " ".join(re.search(r"`(accelerate launch [^`]+)`", section).group(1).split())
+    assert quoted in out
