@@ -29,7 +29,7 @@ UNPLANNED_RECIPE_KEYS = {
     "seed", "dataset_name", "add_special_tokens", "append_concat_token", "splits", "num_train_epochs",
     "logging_steps", "log_level", "logging_strategy", "eval_strategy", "save_strategy", "push_to_hub",
     "hub_private_repo", "hub_strategy", "learning_rate", "lr_scheduler_type", "weight_decay", "warmup_steps",
-    "max_grad_norm", "output_dir", "per_device_eval_batch_size", "use_reentrant", "dataset_text_field", "lora_alpha",
+    "max_grad_norm", "output_dir", "per_device_eval_batch_size", "dataset_text_field", "lora_alpha",
 }
 UNPLANNED_ACCELERATE_KEYS = {
     "compute_environment", "debug", "downcast_bf16", "machine_rank", "main_training_function", "rdzv_backend",
