@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from sft_recipe.config.args import ConfigError, parse_args
 from sft_recipe.config.validate import validate
@@ -85,9 +86,13 @@ def test_lora_on_a_gptq_base_in_one_process_and_under_fsdp(gptq_model, tiny, tmp
 
 @pytest.fixture()
 def gptq_config_only(tiny, tmp_path):
-    """A folder whose config says GPTQ (no weights): what the checks before loading read."""
+    """A folder whose config says GPTQ, with a whole (placeholder) weights file: what the checks before loading read.
+    No weight is ever loaded from it."""
+    from safetensors.torch import save_file
+
     folder = tmp_path / "gptq-config"
     folder.mkdir()
+    save_file({"placeholder": torch.zeros(1)}, str(folder / "model.safetensors"))
     config = json.loads((tiny.model_dir / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
                                      "sym": True}

@@ -110,11 +110,15 @@ def test_a_tied_models_sharded_adapter_is_the_one_process_adapter(runs, cell):
         torch.testing.assert_close(tensor, single[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-def test_a_tied_embedding_trained_in_full_is_saved_as_one_tensor(runs):
-    saved = load_file(str(runs["qwen2-embeddings-single"].output_dir / "adapter_model.safetensors"))
-    head = saved["base_model.model.lm_head.modules_to_save.default.weight"]
-    embedding = saved["base_model.model.model.embed_tokens.modules_to_save.default.weight"]
+def test_a_tied_embedding_trained_in_full_is_saved_as_one_tensor(runs, family_model):
+    result = runs["qwen2-embeddings-single"]
+    assert result.returncode == 0, result.output[-5000:]
+    saved = load_file(str(result.output_dir / "adapter_model.safetensors"))
+    # PEFT saves a modules_to_save copy under the module's own name
+    head, embedding = saved["base_model.model.lm_head.weight"], saved["base_model.model.model.embed_tokens.weight"]
     assert torch.equal(head, embedding)  # trained, and still tied (PEFT's ensure_weight_tying)
+    base = load_file(str(family_model("qwen2") / "model.safetensors"))["model.embed_tokens.weight"]
+    assert not torch.equal(embedding[: base.shape[0]], base)  # trained: it moved from the base's rows
 
 
 def test_moe_adapts_attention_by_default_and_experts_only_when_named(runs):

@@ -67,7 +67,7 @@ def test_efficient_loading_reads_weights_once_and_trains_the_same(runs):
     loaded2 = fsdp2["memory"]["weight_mib_after_load_per_rank"]
     model_mib = loaded1[0]
     assert model_mib > 140 and loaded1[1] == model_mib  # FSDP1 on CPU: every rank
-    assert loaded2 == [model_mib, 0.0]  # FSDP2: rank 1 built on meta
+    assert loaded2[0] == model_mib and loaded2[1] < 0.01  # FSDP2: rank 1 built on meta (its rotary buffers only)
     assert fsdp2["training"]["losses"] == pytest.approx(fsdp1["training"]["losses"], rel=1e-5)
     a = load_file(str(runs["fsdp1"].output_dir / "adapter_model.safetensors"))
     b = load_file(str(runs["fsdp2"].output_dir / "adapter_model.safetensors"))

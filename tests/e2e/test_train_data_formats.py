@@ -87,7 +87,7 @@ def weightless_model(tiny, tmp_path):
     return folder
 
 
-def test_bad_rows_stop_before_the_model_loads_with_exit_2(tiny, weightless_model, tmp_path):
+def test_bad_rows_stop_before_the_model_loads_with_exit_2(tiny, tmp_path):
     rows = [json.loads(line) for line in (tiny.jsonl_dir / "train.jsonl").read_text().splitlines()[:4]]
     rows[2] = {"messages": []}
     rows[3]["messages"][-1]["content"] = None
@@ -97,10 +97,11 @@ def test_bad_rows_stop_before_the_model_loads_with_exit_2(tiny, weightless_model
     rows = [{"messages": [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "hello"}]}]
     (data / "test.jsonl").write_text(json.dumps(rows[0]) + "\n")
     out = tmp_path / "out"
-    result = run_command([sys.executable, str(REPO / "train.py"), "--model_name_or_path", str(weightless_model),
+    # The real model (a folder without weights is refused before the data is read): no weight may load.
+    result = run_command([sys.executable, str(REPO / "train.py"), "--model_name_or_path", str(tiny.model_dir),
                           "--dataset_name", str(data), "--output_dir", str(out), *FLAGS], out)
     assert result.returncode == 2, result.output[-3000:]
-    assert "Traceback" not in result.output
+    assert "Traceback" not in result.output and "Loading weights" not in result.output
     train = data / "train.jsonl"
     assert f"{train} line 3: `messages` is an empty conversation" in result.output
     assert f"{train} line 4: `messages` message " in result.output and "has `content` null" in result.output
