@@ -38,14 +38,10 @@ class ModelArguments:
                           "and resize the embeddings; none keeps the tokenizer's own template.",
                   "choices": ["chatml", "zephyr", "none"]},
     )
-    torch_dtype: str = field(
-        default="",
-        metadata={"help": "dtype the base model is loaded in: auto (the checkpoint's own), bfloat16, float16 or "
-                          "float32. Default: bfloat16 for LoRA/DoRA with --bf16 True (the frozen base only ever "
-                          "enters a matmul in bf16; LoRA weights and their optimizer state stay fp32), float32 "
-                          "otherwise (upstream's). 4-bit loads in --bnb_4bit_quant_storage_dtype.",
-                  "choices": ["", "auto", "bfloat16", "float16", "float32"]},
-    )
+    torch_dtype: str = field(default="", metadata={
+        "help": "Base model load dtype: auto (the checkpoint's), bfloat16, float16, float32. Default: bfloat16 for "
+                "LoRA/DoRA with --bf16 True (LoRA weights stay fp32), else float32 (upstream's); 4-bit: its storage.",
+        "choices": ["", "auto", "bfloat16", "float16", "float32"]})
     lora_alpha: int = field(default=16)
     lora_dropout: float = field(default=0.1)
     lora_r: int = field(default=64)
@@ -54,11 +50,9 @@ class ModelArguments:
         metadata={"help": "Comma-separated module names to adapt, or 'all-linear' (every linear layer but the output "
                           "head; on MoE models the attention and shared projections, not the experts or router)."},
     )
-    lora_target_parameters: str = field(
-        default="",
-        metadata={"help": "Comma-separated fused MoE expert parameters to adapt as well (PEFT target_parameters), e.g. "
-                          "`experts.gate_up_proj,experts.down_proj`; needs --lora_dropout 0."},
-    )
+    lora_target_parameters: str = field(default="", metadata={
+        "help": "Fused MoE expert parameters to adapt too (PEFT target_parameters), e.g. experts.gate_up_proj; needs "
+                "--lora_dropout 0."})
     use_dora: bool = field(
         default=False,
         metadata={"help": "DoRA: weight-decomposed LoRA (a learned magnitude per output feature on top of LoRA); "

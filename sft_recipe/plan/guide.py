@@ -29,6 +29,7 @@ LORA_RECIPE: dict[str, Any] = {
     "chat_template_format": "chatml",
     "max_seq_len": 2048,
     "bf16": True,
+    "torch_dtype": "bfloat16",
     "packing": True,
     "per_device_train_batch_size": 8,
     "gradient_accumulation_steps": 4,
@@ -42,7 +43,7 @@ LORA_RECIPE: dict[str, Any] = {
     "use_4bit_quantization": False,
 }
 QLORA_RECIPE: dict[str, Any] = {
-    **LORA_RECIPE,
+    **{key: value for key, value in LORA_RECIPE.items() if key != "torch_dtype"},  # 4-bit: its storage dtype
     "per_device_train_batch_size": 2,
     "gradient_accumulation_steps": 2,
     "use_reentrant": True,
