@@ -113,6 +113,11 @@ def main() -> None:
         run_combo(name, args.model_dir, out_dir, extra, launch)
     if args.big_model_dir:
         run_combo("lora-chatml", args.big_model_dir, out_dir, extra, launch, label="big-lora-chatml")
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # as train.py: gloo's threads can abort a finished rank at interpreter teardown
+        dist.destroy_process_group()
+    compat.exit_skipping_teardown(0, launch.world_size)
 
 
 if __name__ == "__main__":
