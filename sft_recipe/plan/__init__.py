@@ -55,6 +55,7 @@ The modules, in the order a plan is made:
     result.py      MemoryPlan, its rows, and how it prints
     planner.py     plan_memory, and the fit ladder when a run does not fit
     renting.py     the fewest GPUs that fit, the longest --max_seq_len that fits (--fewest_gpus, --longest_seq_len)
+    guide_renting.py  those answers for the guide's runs (--guide)
     guide.py       the guide's runs, predicted vs published (--guide)
     cli.py         the command line (__main__.py runs it)
 """

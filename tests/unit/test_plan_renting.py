@@ -16,13 +16,13 @@ import torch
 from sft_recipe.config.args import ConfigError
 from sft_recipe.plan import GIB, main, parse_train_flags, plan_memory, read_accelerate_config
 from sft_recipe.plan.components import offloaded_activation_bytes, pinned
+from sft_recipe.plan.guide_renting import guide_renting
 from sft_recipe.plan.inputs import workload
 from sft_recipe.plan.renting import (
     fewest_gpus as fewest,
 )
 from sft_recipe.plan.renting import (
     gpu_counts,
-    guide_renting,
     longest_seq_len,
     run_from_flags,
     with_flags,
@@ -314,7 +314,7 @@ def test_the_docs_renting_section_is_what_the_plan_answers(capsys):
     launch command it quotes."""
     import re
 
-    from sft_recipe.plan.renting import host_at_load_gib
+    from sft_recipe.plan.guide_renting import host_at_load_gib
 
     text = (REPO / "docs" / "memory-and-speed.md").read_text()
     section = text.split("## Renting: how few GPUs, how long a sequence", 1)[1].split("\n## ", 1)[0]
