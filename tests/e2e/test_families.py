@@ -50,6 +50,9 @@ CELLS = {
     "gemma2-fsdp2": ("gemma2", "fsdp2", []),
     "gemma3-multimodal-fsdp2": ("gemma3-multimodal", "fsdp2", []),
     "mixtral-fsdp1": ("mixtral", "fsdp1", []),
+    # The 4-bit base loaded on the CPU and wrapped (issue 16), and the bf16 LoRA base (issue 19), off the Llama demo.
+    "mixtral-qlora-fsdp1": ("mixtral", "fsdp1", QLORA_FLAGS),
+    "qwen2-bf16-base-fsdp1": ("qwen2", "fsdp1", ["--bf16", "True", "--use_reentrant", "True"]),
     "qwen3-moe-experts-single": ("qwen3-moe", "single", [*NO_DROPOUT, "--lora_target_parameters",
                                                           "experts.gate_up_proj,experts.down_proj"]),
     "gpt-neox-fsdp1": ("gpt-neox", "fsdp1", []),
@@ -88,6 +91,20 @@ def test_each_family_trains_saves_a_verified_adapter_that_loads_and_merges(runs,
     assert sum(".lora_" in k for k in saved) == len(loaded) > 0
     merged = merge_adapter(str(result.output_dir), str(tmp_path / "merged"), log=lambda *a: None)
     assert "check OK" in merged.summary()
+
+
+def test_a_quantized_moe_and_a_tied_bf16_base_load_as_planned(runs, family_model):
+    qlora = runs["mixtral-qlora-fsdp1"]
+    assert "quantized base loaded on the CPU for FSDP" in qlora.output  # compat.quantized_base_device_map
+    bf16 = runs["qwen2-bf16-base-fsdp1"].record
+    assert bf16["run"]["config"]["model"]["torch_dtype"] == "bfloat16"  # the default under --bf16 True
+    fp32 = runs["qwen2-fsdp1"].record  # the same model loaded in fp32 (--bf16 False)
+    from sft_recipe.plan import model_shape
+
+    # chatml grew the vocabulary by 3 rows; the tied head counts once
+    halved = model_shape(str(family_model("qwen2")), extra_vocab=3).total_params * 2 / 2 ** 20
+    saved = fp32["memory"]["weight_mib_after_load_per_rank"][0] - bf16["memory"]["weight_mib_after_load_per_rank"][0]
+    assert saved == pytest.approx(halved, rel=0.05)
 
 
 def test_attention_is_the_families_own_and_said_once(runs):
