@@ -92,17 +92,22 @@ def deepspeed_gate() -> Gate:
 
 # --- the checks --------------------------------------------------------------------------------------------------
 
+def gate_problem(asked: str, gate, alternative: str, *, state: str = "installed", note: str = "") -> list[str]:
+    """[] when everything `gate` checks is there; else the one problem every optional setting reports:
+    `asked: needs X>=V, which is not <state> here (how the library checks<note>). Fix: <install><alternative>`."""
+    missing = gate.missing()
+    if not missing:
+        return []
+    return [f"{asked}: needs {needs_text(missing, state)} ({checks_text(gate, missing)}{note}). "
+            f"Fix: {fix_text(missing)}{alternative}"]
+
+
 def optimizer_problems(optim: str) -> list[str]:
     gate = optimizer_gate(optim)
     if gate is None:
         return [f"--optim {optim}: transformers {version_of('transformers')} has no handler for it. Fix: "
                 f"--optim {SAFE_OPTIMIZER}."]
-    missing = gate.missing()
-    if not missing:
-        return []
-    return [f"--optim {optim}: needs {needs_text(missing)} "
-            f"({checks_text(gate, missing)}). Fix: {fix_text(missing)}, or --optim {SAFE_OPTIMIZER} "
-            "(needs nothing)."]
+    return gate_problem(f"--optim {optim}", gate, f", or --optim {SAFE_OPTIMIZER} (needs nothing).")
 
 
 def report_to_problems(report_to) -> list[str]:
@@ -123,35 +128,23 @@ def report_to_problems(report_to) -> list[str]:
             problems.append(f"--report_to {name}: transformers {version_of('transformers')} has no such "
                             f"integration.{comma} Fix: one of {sorted(known)}, or --report_to none.")
             continue
-        missing = gate.missing()
-        if missing:
-            other = f"leave {name} out of report_to, or " if len(names) > 1 else ""
-            problems.append(f"--report_to {name}: needs {needs_text(missing, 'available')} "
-                            f"({checks_text(gate, missing)}). Fix: {fix_text(missing)}, or {other}--report_to none "
-                            "(losses go to the log and run_record.json only).")
+        other = f"leave {name} out of report_to, or " if len(names) > 1 else ""
+        problems += gate_problem(f"--report_to {name}", gate, f", or {other}--report_to none (losses go to the log "
+                                 "and run_record.json only).", state="available")
     return problems
 
 
 def liger_problems() -> list[str]:
-    gate = liger_gate()
-    missing = gate.missing()
-    if not missing:
-        return []
-    return [f"--use_liger_kernel True: needs {needs_text(missing)} "
-            f"({checks_text(gate, missing)}; its Triton kernels also need a CUDA GPU). Fix: {fix_text(missing)} on "
-            "a GPU machine, or --use_liger_kernel False."]
+    return gate_problem("--use_liger_kernel True", liger_gate(), " on a GPU machine, or --use_liger_kernel False.",
+                        note="; its Triton kernels also need a CUDA GPU")
 
 
 def quantization_problems(m) -> list[str]:
     problems = []
     for bits, flag in ((4, "use_4bit_quantization"), (8, "use_8bit_quantization")):
         if getattr(m, flag):
-            gate = quantization_gate(bits)
-            missing = gate.missing()
-            if missing:
-                problems.append(f"--{flag} True: needs {needs_text(missing)} "
-                                f"({checks_text(gate, missing)}). Fix: {fix_text(missing)} (requirements.txt "
-                                f"pins the tested versions), or --{flag} False (LoRA on the unquantized model).")
+            problems += gate_problem(f"--{flag} True", quantization_gate(bits), " (requirements.txt pins the "
+                                     f"tested versions), or --{flag} False (LoRA on the unquantized model).")
     return problems
 
 
@@ -207,13 +200,9 @@ def compile_backend_problem(name: str) -> tuple[str, str] | None:
 
 def deepspeed_problems(asked_by: str, fails: str = "transformers fails while parsing the arguments") -> list[str]:
     """`asked_by` (the flag or launcher setting) needs DeepSpeed: [] when accelerate finds it installed."""
-    gate = deepspeed_gate()
-    missing = gate.missing()
-    if not missing:
-        return []
-    return [f"{asked_by}: needs {needs_text(missing)} ({checks_text(gate, missing)}; "
-            f"without it {fails}). Fix: {fix_text(missing)} (requirements-dev.txt pins the tested version), or an "
-            "FSDP config instead (configs/fsdp_config.yaml; CPU: configs/cpu/fsdp2_config.yaml)."]
+    return gate_problem(asked_by, deepspeed_gate(), " (requirements-dev.txt pins the tested version), or an FSDP "
+                        "config instead (configs/fsdp_config.yaml; CPU: configs/cpu/fsdp2_config.yaml).",
+                        note=f"; without it {fails}")
 
 
 def engine_problems(deepspeed_flag, launch) -> list[str]:
