@@ -122,11 +122,14 @@ def move_previous_run_aside(output_dir: str | os.PathLike) -> Path | None:
     """--overwrite_output_dir: keep the previous run's checkpoints in output_dir/previous-run-<time>/, so a new run's
     checkpoints are not mixed with older, higher-numbered ones (nothing is deleted)."""
     old = checkpoints(output_dir) + [p for p in (Path(output_dir) / "preempted.json",) if p.exists()]
-    if not old:
-        return None
-    aside = Path(output_dir) / time.strftime("previous-run-%Y%m%d-%H%M%S")
+    return _move_aside(output_dir, "previous-run", old) if old else None
+
+
+def _move_aside(output_dir: str | os.PathLike, prefix: str, paths: list[Path]) -> Path:
+    """Move `paths` into output_dir/<prefix>-<time>/ (nothing is deleted); returns that folder."""
+    aside = Path(output_dir) / time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
     aside.mkdir(parents=True, exist_ok=True)
-    for path in old:
+    for path in paths:
         shutil.move(str(path), str(aside / path.name))
     return aside
 
@@ -143,10 +146,7 @@ def move_damaged_aside(output_dir: str | os.PathLike, resume_from: str | None, m
              and is_complete(p) and checkpoint_damage(p)]
     if not newer:
         return None
-    aside = Path(output_dir) / time.strftime("damaged-%Y%m%d-%H%M%S")
-    aside.mkdir(parents=True, exist_ok=True)
-    for path in newer:
-        shutil.move(str(path), str(aside / path.name))
+    aside = _move_aside(output_dir, "damaged", newer)
     logger.warning(f"moved the damaged {', '.join(p.name for p in newer)} to {aside} (nothing is deleted): the "
                    "resumed run writes its own checkpoints at those steps.")
     return aside
