@@ -8,6 +8,7 @@ or timeout is a row in the table, and the next step runs. Steps:
                             the base in bf16 (the recipe's default for LoRA under --bf16 True)
     lora-fp32base           lora with upstream's fp32 base (--torch_dtype float32): memory and tokens/s beside lora
     lora+actoffload         lora with TRL's --activation_offloading True
+    lora-diverge            lora at --learning_rate 1e30: stops at the NaN step (exit 4), its step-3 save cancelled
     qlora / qlora+offload   the same with 4-bit NF4, nested quant, bf16 storage (the guide's QLoRA settings)
     qlora-quantizer         qlora with transformers' own placement of the 4-bit base (no device_map: upstream's path;
                             bench/train_with_quantizer_placement.py): its "GPU at load" column is the whole base
@@ -31,6 +32,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -123,6 +125,15 @@ def steps(model: Path, data: Path) -> list[dict]:
                            plan=plan + ["--fsdp_offload_params", "false", *flags], out=out / label))
         if SMOKE:  # fp32 is the smoke's lora row already (--bf16 False); offloading needs a GPU (refused on CPU)
             result[-1] = dict(name=label, skip="smoke: the lora row covers it on CPU (fp32; offloading needs a GPU)")
+    # Divergence on CUDA, where the step-end flags are read one step late (preemption.StopAtStepEnd._read): lr 1e30
+    # makes step 2 NaN; step 2 neither logs nor saves, so its flags are read at step 3, whose save must be cancelled.
+    flags = common_flags(model, data, out / "lora-diverge") + ["--learning_rate", "1e30", "--max_steps", "6",
+                                                                "--logging_steps", "5", "--save_strategy", "steps",
+                                                                "--save_steps", "3"]
+    result.append(dict(name="lora-diverge", cmd=launch + ["--fsdp_offload_params", "false", "train.py", *flags],
+                       plan=None, out=out / "lora-diverge", expect="diverged"))
+    if SMOKE:  # tests/e2e/test_divergence_and_ctrl_c.py runs the CPU path (read at once, no lag)
+        result[-1] = dict(name="lora-diverge", skip="smoke: the e2e divergence tests cover the CPU path")
     # The same qlora run with the base placed by transformers' quantizer (upstream's path): the load column's contrast.
     flags = common_flags(model, data, out / "qlora-quantizer") + qlora_flags(storage)
     result.append(dict(name="qlora-quantizer", cmd=launch + ["--fsdp_offload_params", "false",
@@ -217,6 +228,11 @@ def run_step(step: dict, deadline: float) -> dict:
         reasons = [line for line in lines if line.startswith("- ")] if refused else \
             [line for line in lines if "Error" in line and not line.startswith("File ")][-2:] or lines[-3:]
         row["note"] = " | ".join(dict.fromkeys(reasons))[-400:]
+    if step.get("expect") == "diverged":  # exit 4 on the rank (the launcher says 1), nothing saved from step 2 on
+        stopped = re.search(r"training diverged at step (\d+)", output)
+        saved = sorted(p.name for p in step["out"].glob("checkpoint-*"))
+        row["status"] = f"ok (stopped at step {stopped.group(1)}, saved: {saved or 'nothing'})" \
+            if stopped and not saved and code != 0 else f"FAILED (exit {code}, saved {saved}, no divergence message)"
     row["adapter_check"] = "pass" if "adapter check OK" in output else ("FAIL" if code == 0 else "-")
     return {**row, **read_results(step["out"])}
 

@@ -5,8 +5,11 @@
 #   only the flags where it differs, then the user's "$@": the last value given for a flag wins.
 # - accelerate_launch: the `accelerate launch` words from ACCELERATE_CONFIG, NUM_PROCESSES and LAUNCH_ARGS (for a
 #   DeepSpeed config, after checking that DeepSpeed is installed: exit 2 naming the fix).
-# - run_and_exit CMD...: runs CMD; exits 75 when CMD wrote a new preemption note in OUTPUT_DIR (resume it with
-#   --resume_from_checkpoint latest), else with CMD's status.
+# - run_and_exit CMD...: runs CMD; exits 75 when CMD wrote a new preemption note in OUTPUT_DIR (130 when Ctrl-C
+#   wrote it; resume either with --resume_from_checkpoint latest), else with CMD's status.
+# - TORCH_ELASTIC_SHUTDOWN_TIMEOUT: how long torchrun lets the ranks finish their step and checkpoint after it forwards
+#   Ctrl-C/SIGTERM before it SIGKILLs them. torch's default, 30 s, is shorter than one step plus a checkpoint of a
+#   large model; the scripts give 600 s unless it is set.
 # - recipe_script_for CONFIG: the launcher whose flags fit an accelerate config (run_peft_slurm.sh uses it).
 
 GUIDE_FLAGS=(
@@ -50,6 +53,8 @@ GUIDE_FLAGS=(
   --use_4bit_quantization False
 )
 
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
+
 accelerate_launch() {
   # `accelerate launch` itself needs DeepSpeed for a DeepSpeed config, and stops with its own ImportError traceback
   # without it: ask first, and exit 2 with the recipe's message (package, version, fix) as train.py's checks do.
@@ -72,8 +77,11 @@ run_and_exit() {
   local before status=0
   before=$(note_fingerprint)
   "$@" || status=$?
-  # Preempted (SIGTERM/SIGUSR1): a checkpoint was written; the launcher itself reports any failed rank as 1.
-  if [[ -f "$OUTPUT_DIR/preempted.json" && "$(note_fingerprint)" != "$before" ]]; then exit 75; fi
+  # Preempted (SIGTERM/SIGUSR1) or Ctrl-C: a checkpoint was written; the launcher itself reports any failed rank as 1.
+  if [[ -f "$OUTPUT_DIR/preempted.json" && "$(note_fingerprint)" != "$before" ]]; then
+    if grep -q '"signal": "SIGINT"' "$OUTPUT_DIR/preempted.json"; then exit 130; fi
+    exit 75
+  fi
   exit "$status"
 }
 

@@ -175,11 +175,15 @@ class RecipeArguments:
         default=False,
         metadata={"help": "With --push_to_hub: train now without Hub access and print the upload command at the end."},
     )
+    stop_on_nonfinite: bool = field(default=True, metadata={
+        "help": "Stop every rank at the first non-finite loss or gradient norm, saving nothing of it (exit 4)."})
 
 
 ALIASES = {"max_seq_len": "max_length", "dtype": "torch_dtype"}
 # Library defaults this recipe changes. hub_private_repo: the Hub would create a PUBLIC repository by default.
-RECIPE_DEFAULTS = {"hub_private_repo": True}  # the guide's flag name -> current TRL's name
+# logging_nan_inf_filter: transformers would log a NaN loss as the mean of earlier ones (a diverged run shows 0);
+# the recipe stops at the first non-finite value instead (train/divergence.py), and the log shows it as it is.
+RECIPE_DEFAULTS = {"hub_private_repo": True, "logging_nan_inf_filter": False}
 
 
 def _sft_config_class():

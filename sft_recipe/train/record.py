@@ -20,6 +20,7 @@ peak_memory_gib_rank<i>).
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -255,6 +256,10 @@ def plot_losses(record: dict, path: str) -> None:
     t, d = record["training"], record["distribution"]
     figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
     axes.plot(t.get("loss_steps", []), t.get("losses", []), label="train loss")
+    broken = [s for s, loss in zip(t.get("loss_steps", []), t.get("losses", [])) if not math.isfinite(loss)]
+    if broken:  # a NaN/inf loss is a gap in the line: say where the run broke
+        axes.axvline(broken[0], color="red", linestyle="--",
+                     label=f"non-finite loss from step {broken[0]} ({t['losses'][t['loss_steps'].index(broken[0])]})")
     if t.get("eval_losses"):
         axes.plot(t["eval_loss_steps"], t["eval_losses"], "o-", label="eval loss")
     axes.set_xlabel("optimizer step")

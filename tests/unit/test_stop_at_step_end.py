@@ -1,0 +1,159 @@
+"""The step-end decisions (sft_recipe/train/divergence.py, preemption.py) without a launch: what counts as
+divergence, which step is cancelled, what the message says, and that the log is no longer filtered."""
+
+from __future__ import annotations
+
+import math
+import signal
+from types import SimpleNamespace
+
+import torch
+from transformers import TrainerControl, TrainerState
+
+from sft_recipe.train.divergence import StepHealth, divergence_message
+from sft_recipe.train.preemption import INTERRUPTED_EXIT_CODE, Preempted, StopAtStepEnd
+
+
+def _trainer(fp16=False, num_processes=1):
+    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=num_processes, process_index=0,
+                                  is_main_process=True, optimizer_step_was_skipped=False)
+    args = SimpleNamespace(fp16=fp16, bf16=False, learning_rate=1e-4, max_grad_norm=1.0)
+    return SimpleNamespace(accelerator=accelerator, args=args, state=None)
+
+
+def _step(stopper, step, *, save=False, max_steps=100):
+    state = TrainerState()
+    state.global_step, state.max_steps = step, max_steps
+    stopper.trainer.state = state
+    control = TrainerControl()
+    control.should_save = save
+    stopper.on_step_end(None, state, control)
+    return control
+
+
+def test_health_flags_the_first_non_finite_value_and_keeps_it():
+    health = StepHealth(scaler_in_use=False)
+    for loss in (torch.tensor(2.0), torch.tensor(float("nan")), torch.tensor(float("inf"))):
+        health.observe_loss(loss)
+    health.observe_grad_norm(torch.tensor(3.0))
+    assert health.step_flags("cpu").tolist() == [1, 0]
+    loss, grad_norm = health.values()
+    assert math.isnan(loss) and grad_norm is None  # the first non-finite loss, not the inf after it
+    assert health.step_flags("cpu").tolist() == [0, 0]  # reset at every step end
+    health.observe_grad_norm(float("inf"))  # DeepSpeed's float
+    assert health.step_flags("cpu").tolist() == [0, 1]
+
+
+def test_fp16_gradients_are_the_scalers_business():
+    health = StepHealth(scaler_in_use=True)
+    health.observe_grad_norm(torch.tensor(float("inf")))
+    assert health.step_flags("cpu").tolist() == [0, 0]
+    health.observe_loss(torch.tensor(float("nan")))
+    assert health.step_flags("cpu").tolist() == [1, 0]
+
+
+def test_a_diverged_step_is_stopped_and_never_saved():
+    trainer = _trainer()
+    health = StepHealth(scaler_in_use=False)
+    stopper = StopAtStepEnd(trainer, health)
+    health.observe_loss(torch.tensor(1.5))
+    control = _step(stopper, 1, save=True)
+    assert control.should_save and not control.should_training_stop  # healthy: the planned save happens
+    health.observe_loss(torch.tensor(float("nan")))
+    control = _step(stopper, 2, save=True)
+    assert not control.should_save and control.should_training_stop and control.should_log
+    epoch_end = TrainerControl()
+    epoch_end.should_save = epoch_end.should_evaluate = True  # --save_strategy epoch would save now
+    stopper.on_epoch_end(None, trainer.state, epoch_end)
+    assert not epoch_end.should_save and not epoch_end.should_evaluate
+    assert stopper.diverged[0] == 2
+
+
+def test_fp16_skipped_step_is_not_divergence():
+    trainer = _trainer(fp16=True)
+    health = StepHealth(scaler_in_use=True)
+    stopper = StopAtStepEnd(trainer, health)
+    health.observe_loss(torch.tensor(float("nan")))
+    trainer.accelerator.optimizer_step_was_skipped = True
+    assert not _step(stopper, 1).should_training_stop
+    health.observe_loss(torch.tensor(float("nan")))
+    trainer.accelerator.optimizer_step_was_skipped = False  # not skipped: the weights took it
+    assert _step(stopper, 2).should_training_stop
+
+
+def test_stop_on_nonfinite_false_trains_on():
+    trainer = _trainer()
+    stopper = StopAtStepEnd(trainer, None)
+    assert not _step(stopper, 1).should_training_stop
+
+
+def test_ctrl_c_checkpoints_and_a_second_aborts(tmp_path):
+    trainer = _trainer()
+    stopper = StopAtStepEnd(trainer, StepHealth(scaler_in_use=False), launcher_shutdown_timeout_s=600)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        stopper.on_train_begin(None, None, None)
+        stopper._on_signal(signal.SIGINT, None)
+        control = _step(stopper, 7)
+        assert control.should_save and control.should_training_stop and stopper.stopped_at_step == 7
+        try:
+            stopper._on_signal(signal.SIGINT, None)
+            raise AssertionError("the second Ctrl-C did not abort")
+        except KeyboardInterrupt:
+            pass
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        stopper.raise_if_stopped(str(tmp_path), lambda folder: [])
+        raise AssertionError("not raised")
+    except Preempted as e:
+        assert e.exit_code == INTERRUPTED_EXIT_CODE and "Ctrl-C (SIGINT) after step 7" in str(e)
+    assert '"signal": "SIGINT"' in (tmp_path / "preempted.json").read_text()
+
+
+def test_an_ignored_sigint_is_left_ignored():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        stopper = StopAtStepEnd(_trainer(), None)
+        stopper.on_train_begin(None, None, None)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        stopper.on_train_end(None, None, None)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_the_message_names_step_value_rank_checkpoint_and_fix():
+    args = SimpleNamespace(fp16=True, bf16=False, learning_rate=2e-4, max_grad_norm=0.0)
+    text = divergence_message(12, None, float("nan"), "rank 3", args, "/out/checkpoint-10")
+    assert text.startswith("training diverged at step 12: a non-finite loss on rank 3 and gradient norm nan (fp16)")
+    assert "--resume_from_checkpoint /out/checkpoint-10" in text
+    assert "a lower --learning_rate (now 0.0002)" in text and "--max_grad_norm 1.0 (clipping is off)" in text
+    assert "--bf16 True rather than --fp16" in text
+    fresh = divergence_message(1, float("inf"), None, "", SimpleNamespace(fp16=False, bf16=True, learning_rate=1.0,
+                                                                          max_grad_norm=1.0), None)
+    assert "loss inf (bf16)" in fresh and "--overwrite_output_dir True" in fresh and "--fp16" not in fresh
+
+
+def test_the_log_shows_nan_losses_by_default(tiny):
+    from sft_recipe.config.args import parse_args
+    from sft_recipe.config.launch_env import LaunchEnv
+
+    base = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir), "--output_dir", "x"]
+    assert parse_args(base, LaunchEnv())[3].logging_nan_inf_filter is False
+    assert parse_args([*base, "--logging_nan_inf_filter", "True"], LaunchEnv())[3].logging_nan_inf_filter is True
+    assert parse_args(base, LaunchEnv())[2].stop_on_nonfinite is True
+
+
+def test_the_exit_code_table_is_the_codes_train_py_returns():
+    """docs/reliability.md's table lists every exit code train.py has, and only those."""
+    import re
+
+    from sft_recipe.artifacts.disk_full import DISK_FULL_EXIT_CODE
+    from sft_recipe.train.divergence import DIVERGED_EXIT_CODE
+    from sft_recipe.train.preemption import PREEMPTED_EXIT_CODE
+    from tests.helpers import REPO
+
+    text = (REPO / "docs" / "reliability.md").read_text()
+    table = text.split("## Exit codes of `train.py`")[1].split("\n## ")[0]
+    documented = {int(code) for code in re.findall(r"^\| (\d+) \|", table, flags=re.M)}
+    assert documented == {0, 2, 3, DIVERGED_EXIT_CODE, DISK_FULL_EXIT_CODE, PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE}
