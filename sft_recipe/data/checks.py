@@ -135,26 +135,37 @@ def structure_problems(row: dict, fmt: str, roles: dict[str, str], text_field: s
     return problems
 
 
-def render_problem(converted: dict, tokenizer) -> str | None:
-    """Render a chat row with the tokenizer's chat template, as TRL will: a template error or an empty rendering."""
+def render_problem(converted: dict, tokenizer, chat_template: str | None = None,
+                   assistant_only_loss: bool = False) -> str | None:
+    """Render a chat row with the chat template TRL will use (`chat_template`, else the tokenizer's): a template
+    error, an empty rendering, or (--assistant_only_loss) no assistant token for TRL's mask."""
     messages = converted.get("messages") or (converted["prompt"] + converted["completion"])
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template)
     except Exception as e:  # jinja2 raise_exception, a missing key the template reads, ...
         return f"the chat template fails on it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    return None if text.strip() else "the chat template renders it to nothing"
+    if not text.strip():
+        return "the chat template renders it to nothing"
+    if assistant_only_loss:
+        from sft_recipe.config.trainer_checks import assistant_tokens_problem
+
+        return assistant_tokens_problem(messages, tokenizer, chat_template)
+    return None
 
 
 def check_split(dataset, fmt: str, where: Callable[[int], str], roles: dict[str, str], text_field: str, tokenizer,
-                assistant_only_loss: bool = False, conversational: bool = False) -> SplitCheck:
-    """Every row of one split; one problem line per bad row (its problems joined)."""
+                assistant_only_loss: bool = False, conversational: bool = False,
+                chat_template: str | None = None) -> SplitCheck:
+    """Every row of one split; one problem line per bad row (its problems joined). `chat_template`: the one TRL
+    renders with in place of the tokenizer's (--assistant_only_loss with a template TRL patches), else None."""
     result = SplitCheck()
     render = conversational and getattr(tokenizer, "chat_template", None)
     for i, row in enumerate(dataset):
         problems = structure_problems(row, fmt, roles, text_field, assistant_only_loss, conversational,
                                       result.unknown_roles)
         if not problems and render:
-            problem = render_problem(convert_row(row, fmt, roles, text_field), tokenizer)
+            problem = render_problem(convert_row(row, fmt, roles, text_field), tokenizer, chat_template,
+                                     assistant_only_loss)
             problems = [problem] if problem else []
         if problems:
             result.bad_rows.append(i)

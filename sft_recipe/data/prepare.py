@@ -229,21 +229,22 @@ class PreparedData:
     notes: list[str]  # the format found and how it was converted: one line for the splits that share it
     rows_read: dict[str, int]
     rows_dropped: dict[str, int]  # bad rows (and malformed lines) dropped by --drop_bad_rows
+    chat_template: str | None = None  # what TRL renders chat rows with instead of the tokenizer's (None: its own)
 
 
 def _assistant_only_loss_problems(formats: dict[str, str], conversational: dict[str, bool],
-                                  chat_template: str | None) -> list[str]:
-    """TRL masks prompts from the loss using {% generation %} markers in the chat template of conversational rows."""
+                                  tokenizer) -> tuple[str | None, list[str]]:
+    """TRL masks prompts from the loss using {% generation %} markers in the chat template of conversational rows.
+    Returns (the template TRL will use in place of the tokenizer's, or None; problems)."""
     if not all(conversational.values()):
         plain = sorted({formats[role] for role, conv in conversational.items() if not conv})
-        return [f"--assistant_only_loss True needs `messages` rows or another conversational format (it masks "
-                f"everything but the assistant turns); this data is {', '.join(plain)} (not conversational). Fix: use "
-                "chat data, or drop the flag (prompt/completion rows are trained on the completion only anyway)."]
-    if "generation" not in (chat_template or ""):
-        return ["--assistant_only_loss True: the tokenizer's chat template has no {% generation %} markers, so TRL "
-                "cannot tell assistant tokens apart. Fix: --chat_template_format chatml (or zephyr), whose templates "
-                "have them."]
-    return []
+        return None, [f"--assistant_only_loss True needs `messages` rows or another conversational format (it masks "
+                      f"everything but the assistant turns); this data is {', '.join(plain)} (not conversational). "
+                      "Fix: use chat data, or drop the flag (prompt/completion rows are trained on the completion "
+                      "only anyway)."]
+    from sft_recipe.config.trainer_checks import assistant_only_loss_template
+
+    return assistant_only_loss_template(tokenizer)  # as SFTTrainer.__init__ will choose it, or why it cannot
 
 
 def prepare(loaded: LoadedSplits, data_args: DataTrainingArguments, text_field: str, tokenizer,
@@ -287,14 +288,17 @@ def prepare(loaded: LoadedSplits, data_args: DataTrainingArguments, text_field: 
             problems.append(f"split '{role}' has {formats[role]} rows (`messages` rows for the chat template) but the "
                             "tokenizer has no chat template. Fix: --chat_template_format chatml (or zephyr).")
         roles[role] = role_map(data_args, formats[role])[0]
+    chat_template = None
     if assistant_only_loss and not problems:
-        problems += _assistant_only_loss_problems(formats, conversational, tokenizer.chat_template)
+        chat_template, template_problems = _assistant_only_loss_problems(formats, conversational, tokenizer)
+        problems += template_problems
     if problems:
         raise ConfigError(problems)
 
     rows_read = {role: len(ds) + len(loaded.bad_lines.get(role, [])) for role, ds in datasets.items()}
     checks = {role: check_split(ds, formats[role], loaded.where(role), roles[role], text_field, tokenizer,
-                                assistant_only_loss, conversational[role]) for role, ds in datasets.items()}
+                                assistant_only_loss, conversational[role], chat_template)
+              for role, ds in datasets.items()}
     row_problems = {role: by_position(loaded.bad_lines.get(role, []) + check.problems)
                     for role, check in checks.items()}
     if any(row_problems.values()) and not data_args.drop_bad_rows:
@@ -316,7 +320,7 @@ def prepare(loaded: LoadedSplits, data_args: DataTrainingArguments, text_field: 
         bos = tokenizer.bos_token if formats[role] == "text" and data_args.add_special_tokens else None
         datasets[role] = convert(ds, formats[role], roles[role], text_field, bos)
     lines = [f"data: {'split' if len(r) == 1 else 'splits'} {', '.join(r)}: {note}" for note, r in notes.items()]
-    return PreparedData(datasets, formats, lines, rows_read, dropped)
+    return PreparedData(datasets, formats, lines, rows_read, dropped, chat_template)
 
 
 def prepare_for_trl(datasets, data_args: DataTrainingArguments, text_field: str, tokenizer,

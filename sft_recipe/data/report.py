@@ -79,12 +79,13 @@ class DataReport:
         return "\n".join(lines)
 
 
-def tokenize_like_trl(dataset, tokenizer, training_args):
+def tokenize_like_trl(dataset, tokenizer, training_args, chat_template: str | None = None):
     """Rows -> input_ids + labels exactly as SFTTrainer prepares them, but uncut and unpacked, without a model.
 
     `_prepare_dataset` reads three trainer attributes, given here as SFTTrainer sets them: the tokenizer, the
     completion-only switch (on for prompt/completion rows unless the flag says otherwise) and the chat template
-    override (none: the recipe refuses --assistant_only_loss with a template that lacks generation markers)."""
+    override (`chat_template`: TRL's training version of a template without generation markers, under
+    --assistant_only_loss; `PreparedData.chat_template`)."""
     from trl import SFTTrainer
 
     args = copy.copy(training_args)
@@ -93,7 +94,7 @@ def tokenize_like_trl(dataset, tokenizer, training_args):
     completion_only = training_args.completion_only_loss
     if completion_only is None:
         completion_only = "prompt" in first and "completion" in first
-    trainer = SimpleNamespace(_tokenizer=tokenizer, completion_only_loss=completion_only, chat_template=None)
+    trainer = SimpleNamespace(_tokenizer=tokenizer, completion_only_loss=completion_only, chat_template=chat_template)
     return SFTTrainer._prepare_dataset(trainer, dataset, tokenizer, args, False, None, "report")
 
 
@@ -182,7 +183,7 @@ def measure(prepared, tokenizer, training_args) -> DataReport:
     """The report for every split of a `data.PreparedData`."""
     splits = {}
     for role, dataset in prepared.datasets.items():
-        tokenized = tokenize_like_trl(dataset, tokenizer, training_args)
+        tokenized = tokenize_like_trl(dataset, tokenizer, training_args, prepared.chat_template)
         splits[role] = measure_split(tokenized, prepared.formats[role], prepared.rows_read[role],
                                      prepared.rows_dropped[role], training_args, tokenizer.eos_token_id)
     report = DataReport(max_length=training_args.max_length, packing=bool(training_args.packing),
@@ -237,7 +238,8 @@ def _cut_position(length: int, training_args) -> int | None:
 def preview(prepared, tokenizer, training_args, count: int, role: str = "train") -> str:
     """`count` examples as the model sees them: loss-carrying text between ⟦ ⟧, and where max_length cuts."""
     dataset = prepared.datasets[role]
-    tokenized = tokenize_like_trl(dataset.select(range(min(count, len(dataset)))), tokenizer, training_args)
+    tokenized = tokenize_like_trl(dataset.select(range(min(count, len(dataset)))), tokenizer, training_args,
+                                  prepared.chat_template)
     keep_end = training_args.truncation_mode == "keep_end" and not training_args.packing
     blocks = []
     for n, row in enumerate(tokenized, start=1):
