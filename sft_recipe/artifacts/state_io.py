@@ -41,7 +41,11 @@ def rng_state_file(checkpoint_dir: str | os.PathLike, process_index: int, world_
 def write_atomically(path: Path, write) -> None:
     """`write(tmp)` writes a sibling temporary file, which then replaces `path` in one step: never half-written."""
     tmp = path.with_name(f".{path.name}.writing-{os.getpid()}")
-    write(tmp)
+    try:
+        write(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not leave the partial file (or its space) behind
+        raise
     os.replace(tmp, path)
 
 

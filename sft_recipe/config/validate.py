@@ -11,6 +11,7 @@ from sft_recipe.config.args import ConfigError, DataTrainingArguments, ModelArgu
 from sft_recipe.config.file_checks import config_file_problems, file_problems
 from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
 from sft_recipe.config.optional_deps import bitsandbytes_optimizers, optional_dependency_problems
+from sft_recipe.config.trainer_checks import trainer_problems
 from sft_recipe.data.prepare import locate_splits
 from sft_recipe.train.model import DTYPES, flash_attn_problem
 
@@ -340,6 +341,7 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,
     problems += _fsdp_env_problems(m, launch)
     problems += _deepspeed_env_problems(m, t, launch)
     problems += optional_dependency_problems(m, t, launch)  # every optional package a setting implies
+    problems += trainer_problems(m, t, launch)  # what Trainer/SFTTrainer/accelerate refuse after loading
     problems += locate_splits(d)[1]
     local_model = Path(m.model_name_or_path)
     if not m.model_name_or_path:
@@ -361,5 +363,8 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,
         problems += gptq_problems(m, t, launch)
         problems += zero3_quantized_load_problems(m, d, t, launch)  # needs the model's config
         problems += architecture_problems(m, t.trust_remote_code, launch)  # what this family allows
+        from sft_recipe.artifacts.disk_space import disk_space_problems
+
+        problems += disk_space_problems(m, d, t, launch)  # the first save fits on output_dir's disk (warns: all)
     if problems:
         raise ConfigError(problems)
