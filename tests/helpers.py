@@ -58,6 +58,40 @@ def launch_train(config: str, output_dir: Path, args: list[str], env: dict | Non
                          launcher_args)
 
 
+def start_train(config: str, output_dir: Path, args: list[str], env: dict | None = None):
+    """`launch_train` without waiting: (the launcher's Popen, its log open for reading beside output_dir), for tests
+    that act on a run while it trains (signals, a second launch)."""
+    cmd = [os.path.join(bin_dir(), "accelerate"), "launch", "--config_file", str(REPO / "configs" / config),
+           "--main_process_port", str(free_port()), "train.py", "--output_dir", str(output_dir), *args]
+    log = open(output_dir.parent / f"{output_dir.name}.log", "w+")
+    return subprocess.Popen(cmd, cwd=REPO, env=env or launch_env(), stdout=log, stderr=subprocess.STDOUT,
+                            text=True), log
+
+
+def rank_pid(launcher: subprocess.Popen, rank: int, timeout_s: float = 120) -> int:
+    """The process id of global rank `rank` of a run `launcher` started, once it exists."""
+    import psutil
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        for child in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                if "train.py" in " ".join(child.cmdline()) and child.environ().get("RANK") == str(rank):
+                    return child.pid
+            except psutil.Error:
+                continue
+        time.sleep(0.2)
+    raise AssertionError(f"rank {rank} never started")
+
+
+def process_tree(launcher: subprocess.Popen) -> list:
+    """The launcher and every process under it (psutil.Process objects), to signal a whole run at once."""
+    import psutil
+
+    root = psutil.Process(launcher.pid)
+    return [root, *root.children(recursive=True)]
+
+
 def launch_script(config: str, script: str, args: list[str], output_dir: Path, env: dict | None = None,
                   launcher_args: tuple[str, ...] = ()) -> RunResult:
     """`accelerate launch --config_file configs/<config> [launcher_args] <script> ...` through the real launcher."""

@@ -101,7 +101,10 @@ class TrainerOverride:
 TRAINER_OVERRIDES_FIT = SpecifierSet("==5.24.*")  # the transformers versions the overrides were checked against
 TRAINER_OVERRIDES: tuple[TrainerOverride, ...] = (
     TrainerOverride("_save_checkpoint", ("self", "model", "trial"),
-                    "mark a checkpoint complete once every rank wrote it; record its memory cost"),
+                    "mark a checkpoint complete once every rank wrote it, rotate (transformers' rotate_checkpoints) "
+                    "only then; a full disk on any rank ends every rank; record its memory cost"),
+    TrainerOverride("_get_grad_norm", ("self", "model", "grad_norm"),
+                    "watch the step's gradient norm for non-finite values (train/divergence.py)"),
     TrainerOverride("_save_rng_state", ("self", "output_dir"), "RNG state as safetensors, not a pickle"),
     TrainerOverride("_load_rng_state", ("self", "checkpoint"), "read it back; tolerate a resume on other ranks"),
     TrainerOverride("_save_optimizer_and_scheduler", ("self", "output_dir"),

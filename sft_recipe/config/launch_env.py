@@ -38,12 +38,23 @@ class LaunchEnv:
     fsdp_sync_module_states: bool = False
     fsdp_use_orig_params: bool = False
     fsdp_state_dict_type: str = ""     # "" when the YAML does not say (accelerate's default: FULL_STATE_DICT)
+    fsdp_activation_checkpointing: bool = False          # FSDP's own checkpointing (fsdp_activation_checkpointing)
+    fsdp_activation_checkpointing_offload: bool = False  # ... with checkpointed inputs offloaded to host RAM
+    fsdp_auto_wrap_policy: str = ""    # "" when not exported (accelerate's default: NO_WRAP)
+    fsdp_backward_prefetch: str = ""   # "" when not exported
+    context_parallel_size: int = 1     # PARALLELISM_CONFIG_CP_SIZE, when ACCELERATE_USE_PARALLELISM_CONFIG is on
+    sequence_parallel_backend: str = ""  # PARALLELISM_CONFIG_SP_BACKEND when sequence parallelism is on (SP_SIZE > 1)
     deepspeed_zero_stage: str = ""     # ACCELERATE_DEEPSPEED_ZERO_STAGE
     deepspeed_zero3_init: bool = False
     deepspeed_zero3_save_16bit_model: bool = False
     gradient_accumulation_steps: str = ""  # ACCELERATE_GRADIENT_ACCUMULATION_STEPS (a DeepSpeed config's own value)
     hub_offline: bool = False          # HF_HUB_OFFLINE, read with huggingface_hub's own rule (it is the hub's)
     hf_token_set: bool = False         # HF_TOKEN is exported (the token's value is never kept)
+    # torchrun (and `accelerate launch` through it) forwards SIGINT/SIGTERM to the ranks, then SIGKILLs them this many
+    # seconds later (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, torch's default 30); None: not under torchrun.
+    launcher_shutdown_timeout_s: int | None = None
+    slurm_job_id: str = ""             # SLURM_JOB_ID: a requeued job keeps it (the run hold's "same job, restarted")
+    slurm_restart_count: str = ""      # SLURM_RESTART_COUNT ("0" under Slurm before any requeue)
 
     @property
     def is_main_process(self) -> bool:
@@ -114,6 +125,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             return default
 
     world_size = number("WORLD_SIZE", 1)
+    parallelism = flag("ACCELERATE_USE_PARALLELISM_CONFIG")
     launch = LaunchEnv(
         rank=number("RANK", 0), local_rank=number("LOCAL_RANK", 0), world_size=world_size,
         local_world_size=number("LOCAL_WORLD_SIZE", 0) or None,
@@ -128,6 +140,14 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         fsdp_sync_module_states=flag("FSDP_SYNC_MODULE_STATES"),
         fsdp_use_orig_params=flag("FSDP_USE_ORIG_PARAMS"),
         fsdp_state_dict_type=env.get("FSDP_STATE_DICT_TYPE", "").upper(),
+        fsdp_activation_checkpointing=flag("FSDP_ACTIVATION_CHECKPOINTING"),
+        fsdp_activation_checkpointing_offload=flag("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD"),
+        fsdp_auto_wrap_policy=env.get("FSDP_AUTO_WRAP_POLICY", ""),
+        fsdp_backward_prefetch=env.get("FSDP_BACKWARD_PREFETCH", ""),
+        # accelerate's ParallelismConfig reads these sizes only when the launcher turned the parallelism config on.
+        context_parallel_size=number("PARALLELISM_CONFIG_CP_SIZE", 1) if parallelism else 1,
+        sequence_parallel_backend=(env.get("PARALLELISM_CONFIG_SP_BACKEND", "") or "deepspeed")
+        if parallelism and number("PARALLELISM_CONFIG_SP_SIZE", 1) > 1 else "",
         deepspeed_zero_stage=env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", ""),
         deepspeed_zero3_init=flag("ACCELERATE_DEEPSPEED_ZERO3_INIT"),
         deepspeed_zero3_save_16bit_model=flag("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"),
@@ -135,6 +155,10 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         # huggingface_hub's rule, not accelerate's: 1/ON/YES/TRUE are offline, anything else online, never an error.
         hub_offline=env.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"),
         hf_token_set=bool(env.get("HF_TOKEN")),
+        launcher_shutdown_timeout_s=number("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30) if "TORCHELASTIC_RUN_ID" in env
+        else None,
+        slurm_job_id=env.get("SLURM_JOB_ID", ""),
+        slurm_restart_count=env.get("SLURM_RESTART_COUNT", "0") if env.get("SLURM_JOB_ID") else "",
     )
     if problems:
         from sft_recipe.config.args import ConfigError
