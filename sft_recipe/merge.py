@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from sft_recipe.artifacts.adapter import ADAPTER_CONFIG, embedding_leaf_name, saved_embedding_rows
+from sft_recipe.artifacts.generation import add_chat_eos
 from sft_recipe.config.args import ConfigError
 from sft_recipe.merge_checks import (  # the refusals and the logits check; callers import them from here too
     CHECK_RELATIVE_TOLERANCE,
@@ -226,16 +227,12 @@ class MergeResult:
 
 
 def _add_eos_to_generation_config(model, tokenizer) -> None:
-    """Chat formats change the tokenizer's EOS (chatml: <|im_end|>), which the model learned to end answers with;
-    `generate()` stops only at the generation config's EOS ids, so add it there (keeping the base's)."""
+    """The model learned to end answers with the chat format's end of turn (chatml: <|im_end|>); `generate()` stops
+    only at the generation config's EOS ids, so add it there, keeping the base's (the adapter's own
+    generation_config.json holds the same ids: artifacts.generation)."""
     gen = getattr(model, "generation_config", None)
-    eos = tokenizer.eos_token_id
-    if gen is None or eos is None:
-        return
-    current = gen.eos_token_id
-    ids = [] if current is None else ([current] if isinstance(current, int) else list(current))
-    if eos not in ids:
-        gen.eos_token_id = ids + [eos] if ids else eos
+    if gen is not None:
+        add_chat_eos(gen, tokenizer)
 
 
 def _written_tensors(folder: Path) -> tuple[int, int, int]:

@@ -145,6 +145,9 @@ def save_final_adapter(trainer, output_dir: str, *, verify: bool = True, trust_r
     or a failed check never replaces a previous good adapter with a broken one. A failed check leaves the files in
     `output_dir/adapter-FAILED-CHECK/` for inspection and raises.
     """
+    from functools import partial
+
+    from sft_recipe.artifacts.disk_full import guarded_save
     from sft_recipe.artifacts.gather import gather_adapter_state
     from sft_recipe.measure import RssWatch, save_cost
 
@@ -153,12 +156,18 @@ def save_final_adapter(trainer, output_dir: str, *, verify: bool = True, trust_r
         # Only the tensors the adapter holds (keys chosen before wrapping), never the frozen base: see gather.py.
         state_dict = gather_adapter_state(accelerator, trainer.model_wrapped, trainer.adapter_keys)
         adapter_mib = sum(t.numel() * t.element_size() for t in state_dict.values()) / 2**20
-        if accelerator.is_main_process:
-            _write_and_check(trainer, state_dict, output_dir, verify, trust_remote_code)
+        # The main process writes; every rank waits for it, and all end with DiskFull (exit 74) if the disk filled.
+        guarded_save(accelerator, output_dir, partial(_write_and_check, trainer, state_dict, output_dir, verify,
+                                                      trust_remote_code),
+                     main_only=True, cleanup=writing_folder(output_dir), needed_bytes=int(adapter_mib * 2**20))
         del state_dict
-        accelerator.wait_for_everyone()
     # The cost of this save on every rank, for the run record.
     return save_cost(accelerator, watch, adapter_mib=round(adapter_mib, 3))
+
+
+def writing_folder(output_dir) -> Path:
+    """Where this process writes an adapter before it is checked and moved into `output_dir`."""
+    return Path(output_dir) / f".adapter-writing-{os.getpid()}"
 
 
 def _count_lora_keys(state_dict: dict) -> int:
@@ -170,7 +179,7 @@ def _write_and_check(trainer, state_dict, output_dir: str, verify: bool, trust_r
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     out = Path(output_dir)
-    tmp = out / f".adapter-writing-{os.getpid()}"
+    tmp = writing_folder(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     if isinstance(model, PeftModel):
@@ -190,6 +199,7 @@ def _write_and_check(trainer, state_dict, output_dir: str, verify: bool, trust_r
         model.save_pretrained(str(tmp), state_dict=state_dict)
     if trainer.processing_class is not None:
         trainer.processing_class.save_pretrained(str(tmp))
+        _write_generation_files(trainer, model, tmp, output_dir, trust_remote_code)
 
     if verify and isinstance(model, PeftModel):
         report = check_adapter(str(tmp), trust_remote_code=trust_remote_code)
@@ -203,3 +213,17 @@ def _write_and_check(trainer, state_dict, output_dir: str, verify: bool, trust_r
     for item in tmp.iterdir():
         os.replace(item, out / item.name)
     tmp.rmdir()
+
+
+def _write_generation_files(trainer, model, folder: Path, output_dir: str, trust_remote_code: bool) -> None:
+    """generation_config.json that stops at the chat format's end of turn, and the card lines that load it
+    (generation.py): written with the adapter, so checkpoints' markers record it like the other files."""
+    from peft import PeftModel
+
+    from sft_recipe.artifacts.generation import text_tokenizer, trained_base_name, write_adapter_generation_files
+
+    base = trained_base_name(model)
+    if base:
+        write_adapter_generation_files(folder, output_dir, base, text_tokenizer(trainer.processing_class),
+                                       trust_remote_code=trust_remote_code, card=isinstance(model, PeftModel),
+                                       fallback=getattr(model, "generation_config", None))
