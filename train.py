@@ -20,7 +20,14 @@ import transformers  # lazy: its submodules load after sft_recipe set the librar
 
 from sft_recipe import compat
 from sft_recipe.artifacts.adapter import save_final_adapter
-from sft_recipe.artifacts.checkpoints import move_damaged_aside, move_previous_run_aside, resolve_resume
+from sft_recipe.artifacts.checkpoints import (
+    intact_checkpoints,
+    move_damaged_aside,
+    move_previous_run_aside,
+    resolve_resume,
+)
+from sft_recipe.artifacts.disk_full import DISK_FULL_EXIT_CODE, DiskFull, is_disk_full, unguarded_disk_full
+from sft_recipe.artifacts.run_hold import release_run_hold, take_run_hold
 from sft_recipe.config.args import ConfigError, parse_args
 from sft_recipe.config.file_checks import check_tokenizer
 from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
@@ -29,9 +36,10 @@ from sft_recipe.data import report as data_report
 from sft_recipe.data.prepare import dataset_flag_notes, prepare, read_splits
 from sft_recipe.logs import quiet_other_ranks
 from sft_recipe.plan import plan_memory
+from sft_recipe.train.divergence import DIVERGED_EXIT_CODE, Diverged
 from sft_recipe.train.gptq import checkpoint_quant_method  # a GPTQ base is recorded as quantization "gptq"
 from sft_recipe.train.model import added_token_ids, load_model, load_tokenizer, lora_config, untrained_token_note
-from sft_recipe.train.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_FILE, Preempted, PreemptionCallback
+from sft_recipe.train.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_FILE, Preempted, StopAtStepEnd
 from sft_recipe.train.record import RunRecord
 from sft_recipe.train.trainer import RecipeSFTTrainer
 
@@ -48,6 +56,7 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
     validate(model_args, data_args, recipe_args, training_args, launch)
     if recipe_args.plan_memory_gib:  # will it fit? answered from the model config alone, then exit
         print_memory_plan_and_exit(model_args, data_args, recipe_args, training_args, launch)
+    take_run_hold(training_args.output_dir, launch)  # one run per output_dir: before anything in it is moved
     resume_from = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)[0]
     move_damaged_aside(training_args.output_dir, resume_from, launch.is_main_process)  # not written over by this run
     if recipe_args.overwrite_output_dir and not resume_from and launch.is_main_process:
@@ -89,26 +98,30 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
     )
     data_report.confirm(report, trainer.train_dataset, training_args.output_dir, launch.is_main_process)
     record = RunRecord.attach(trainer, recipe_args.peak_tflops_per_device)  # how it ran, tokens/s, memory, losses
-    preemption = PreemptionCallback(trainer)
-    trainer.add_callback(preemption)
+    # Every rank stops at the same step end on SIGTERM/SIGUSR1/Ctrl-C (checkpointed) or a non-finite loss or
+    # gradient norm on any rank (nothing saved).
+    stopper = StopAtStepEnd(trainer, trainer.step_health if recipe_args.stop_on_nonfinite else None,
+                            launch.launcher_shutdown_timeout_s)
+    trainer.add_callback(stopper)
     if model_args.use_peft_lora and trainer.accelerator.is_main_process:
         trainer.model.print_trainable_parameters()
 
-    # 5. Train. SIGTERM/SIGUSR1 on any rank: every rank checkpoints at the same step, then we exit to be resumed.
+    # 5. Train. SIGTERM/SIGUSR1/Ctrl-C on any rank: every rank checkpoints at the same step, then we exit to be
+    #    resumed. Divergence: every rank stops at that step; the record and loss curve show where, nothing is saved.
     trainer.train(resume_from_checkpoint=resume_from)
-    preemption.raise_if_preempted(training_args.output_dir)
+    try:
+        stopper.raise_if_stopped(training_args.output_dir, intact_checkpoints)
+    except Diverged:
+        record.write(training_args.output_dir, final_save=None, run=run_facts(model_args, data_args, recipe_args,
+                                                                                training_args))
+        raise
 
     # 6. Save the FULL_STATE_DICT adapter (all ranks take part) and verify it before it replaces anything.
     final_save = save_final_adapter(trainer, training_args.output_dir, verify=recipe_args.verify_adapter,
                                     trust_remote_code=training_args.trust_remote_code)
     # quantization: merge_adapter.py reads it to merge a QLoRA/GPTQ adapter into the bf16 base, never the 4-bit one.
-    record.write(training_args.output_dir, final_save=final_save, run={  # run_record.json + loss_curve.png
-        "model_name_or_path": model_args.model_name_or_path, "dataset_name": data_args.dataset_name,
-        "quantization": "4bit" if model_args.use_4bit_quantization else
-        "8bit" if model_args.use_8bit_quantization else
-        checkpoint_quant_method(model_args.model_name_or_path, training_args.trust_remote_code),
-        "config": {"model": asdict(model_args), "data": asdict(data_args), "recipe": asdict(recipe_args),
-                   "training": training_args.to_dict()}})
+    record.write(training_args.output_dir, final_save=final_save,  # run_record.json + loss_curve.png
+                 run=run_facts(model_args, data_args, recipe_args, training_args))
     if trainer.accelerator.is_main_process:  # this run finished: an earlier preemption note no longer applies
         Path(training_args.output_dir, PREEMPTED_FILE).unlink(missing_ok=True)
 
@@ -119,6 +132,16 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
         repo = training_args.hub_model_id or os.path.basename(os.path.abspath(training_args.output_dir))
         private = " --private" if training_args.hub_private_repo is not False else ""
         print(f"Push deferred. Upload later with: hf upload {repo} {training_args.output_dir}{private}", flush=True)
+
+
+def run_facts(model_args, data_args, recipe_args, training_args) -> dict:
+    """The run record's `run` section: what was trained."""
+    return {"model_name_or_path": model_args.model_name_or_path, "dataset_name": data_args.dataset_name,
+            "quantization": "4bit" if model_args.use_4bit_quantization else
+            "8bit" if model_args.use_8bit_quantization else
+            checkpoint_quant_method(model_args.model_name_or_path, training_args.trust_remote_code),
+            "config": {"model": asdict(model_args), "data": asdict(data_args), "recipe": asdict(recipe_args),
+                       "training": training_args.to_dict()}}
 
 
 def print_preview_and_exit(data, report, tokenizer, training_args, count: int, launch: LaunchEnv) -> None:
@@ -137,7 +160,8 @@ def print_memory_plan_and_exit(model_args, data_args, recipe_args, training_args
 
 
 def run(launch: LaunchEnv) -> int:
-    """Entry point: user mistakes exit 2 with the list of problems and no traceback; a preempted run exits 75."""
+    """Entry point, exit codes (docs/reliability.md): 0 done; 2 a user mistake, listed without a traceback; 4 diverged;
+    74 a full disk at a save (the newest intact checkpoint kept); 75 preempted and 130 Ctrl-C, both checkpointed."""
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
     try:
         main(None, launch)
@@ -145,13 +169,38 @@ def run(launch: LaunchEnv) -> int:
         if launch.is_main_process:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    except Preempted as e:
+    except Preempted as e:  # a checkpoint was written: 75 (SIGTERM/SIGUSR1), 130 (Ctrl-C)
         if launch.is_main_process:
-            print(f"preempted: {e}", file=sys.stderr, flush=True)
-        return PREEMPTED_EXIT_CODE
+            print(f"{'interrupted' if e.exit_code == 130 else 'preempted'}: {e}", file=sys.stderr, flush=True)
+        wait_for_every_rank()
+        return e.exit_code
+    except Diverged as e:  # every rank stopped at the step; nothing of the broken state was saved
+        if launch.is_main_process:
+            print(f"diverged: {e}", file=sys.stderr, flush=True)
+        wait_for_every_rank()
+        return DIVERGED_EXIT_CODE
+    except (DiskFull, OSError) as e:  # a save ran out of space; OSError: a write outside the saves (run record)
+        if not is_disk_full(e):
+            raise
+        if launch.is_main_process or not isinstance(e, DiskFull):
+            print(f"disk full: {e if isinstance(e, DiskFull) else unguarded_disk_full(e)}", file=sys.stderr, flush=True)
+        return DISK_FULL_EXIT_CODE
+    except KeyboardInterrupt:  # Ctrl-C before training began, or a second one during it: abort, no traceback
+        if launch.is_main_process:
+            print("aborted by Ctrl-C: nothing more was saved (a checkpoint being written is left unmarked, and "
+                  "--resume_from_checkpoint latest skips it).", file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT_CODE
     finally:
+        release_run_hold()  # however train.py ends (a crash leaves the hold to be found stale)
         close_process_group()
     return 0
+
+
+def wait_for_every_rank() -> None:
+    """Ranks that stopped together (preempted, diverged) also exit together: torchrun SIGTERMs the others as soon as
+    one rank exits non-zero, which would cut off the main process's message and files."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def close_process_group() -> None:

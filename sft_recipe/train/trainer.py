@@ -6,6 +6,8 @@
 - A resume that loads no trainable weights stops the run instead of silently training from scratch; a checkpoint file
   that cannot be read (or does not fit this model) stops it with exit code 2, the file named, not a traceback.
 - Every checkpoint's marker records its files' sizes and checksums and what was trained (`resume_match.run_identity`).
+- A full disk at a checkpoint, on any rank, ends every rank (`disk_full.DiskFull`, exit 74); older checkpoints are
+  deleted for --save_total_limit only once the new one is marked complete.
 - Checkpoints hold no pickles of ours: RNG, scheduler and one-process optimizer state are safetensors/JSON
   (`state_io`); FSDP shards stay in torch's DCP format, whose `.metadata` pickle is allow-list-checked before loading.
 """
@@ -24,6 +26,7 @@ from sft_recipe import compat
 from sft_recipe.adapters_fsdp2 import reshard_fsdp2_units
 from sft_recipe.artifacts.adapter import save_final_adapter
 from sft_recipe.artifacts.checkpoints import checkpoint_layout, intact_checkpoints, mark_complete
+from sft_recipe.artifacts.disk_full import guarded_save
 from sft_recipe.artifacts.gather import adapter_state_keys, fsdp1_sharded_adapter_state
 from sft_recipe.artifacts.resume_match import run_identity
 from sft_recipe.artifacts.state_io import (
@@ -40,6 +43,7 @@ from sft_recipe.artifacts.state_io import (
 )
 from sft_recipe.config.args import ConfigError
 from sft_recipe.measure import RssWatch, gpu_peak_gib, save_cost, unsharded_fsdp2_params, weight_mib
+from sft_recipe.train.divergence import StepHealth
 from sft_recipe.train.model import materialize_meta_parameters
 
 logger = logging.getLogger(__name__)
@@ -122,6 +126,19 @@ class RecipeSFTTrainer(SFTTrainer):
         self.checkpoint_save_costs: list[dict] = []  # per checkpoint: seconds, added RSS per rank (run record)
         self.reshard_after_evaluation = ReshardAfterEvaluation()
         self.add_callback(self.reshard_after_evaluation)
+        # Every micro-batch loss and step gradient norm, watched for non-finite values (divergence.py; read at the
+        # step end by preemption.StopAtStepEnd). fp16's GradScaler skips steps with non-finite gradients itself.
+        self.step_health = StepHealth(scaler_in_use=getattr(self.accelerator, "scaler", None) is not None)
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        self.step_health.observe_loss(loss)
+        return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self.step_health.observe_grad_norm(grad_norm)
+        return grad_norm
 
     def _writes_adapter_files(self) -> bool:
         from peft import PeftModel
@@ -143,20 +160,41 @@ class RecipeSFTTrainer(SFTTrainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_checkpoint(self, model, trial):
-        """Mark the checkpoint complete once every rank has written it (resume skips unmarked ones)."""
+        """Mark the checkpoint complete once every rank has written it (resume skips unmarked ones), and only then
+        delete older ones (--save_total_limit): a save that fails never costs an intact checkpoint. A full disk on
+        any rank ends every rank with DiskFull (train.py exits 74), saying what was kept (artifacts/disk_full.py)."""
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        limit = self.args.save_total_limit
+
+        def save():
+            self.args.save_total_limit = None  # transformers would rotate before this checkpoint is marked complete
+            try:
+                super(RecipeSFTTrainer, self)._save_checkpoint(model, trial)
+            finally:
+                self.args.save_total_limit = limit
+
         with RssWatch() as watch:
-            super()._save_checkpoint(model, trial)
-            self.accelerator.wait_for_everyone()
+            guarded_save(self.accelerator, folder, save)  # ends as a barrier: every rank has written its part
         self.checkpoint_save_costs.append(save_cost(self.accelerator, watch))
-        if self.accelerator.is_main_process:
-            folder = os.path.join(self._get_output_dir(trial=trial),
-                                  f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            args = self.args
-            mark_complete(folder, self.state.global_step, world_size=args.world_size, global_batch_size=(
-                args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size),
-                run=self.run_identity)
+        guarded_save(self.accelerator, folder, lambda: self._mark_and_rotate(folder, run_dir, limit), main_only=True)
+
+    def _mark_and_rotate(self, folder: str, run_dir: str, limit: int | None) -> None:
+        from sft_recipe.artifacts.generation import ensure_generation_config
+
+        # Before the marker records the files: FSDP SHARDED checkpoints get generation_config.json here (no adapter
+        # save wrote one); where save_final_adapter wrote it, it is left as it is.
+        ensure_generation_config(folder, self)
+        args = self.args
+        mark_complete(folder, self.state.global_step, world_size=args.world_size, global_batch_size=(
+            args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size),
+            run=self.run_identity)
+        if args.should_save:
+            transformers_trainer.rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                                                    best_model_checkpoint=self.state.best_model_checkpoint,
+                                                    use_mtime=True)
 
     def _save_rng_state(self, output_dir: str) -> None:
         save_rng_state(rng_state_file(output_dir, self.args.process_index, self.args.world_size))
