@@ -44,8 +44,8 @@ class SaveFailedElsewhere(RuntimeError):
     """Another rank's part of a save failed (its own error is in its log): this rank stops too instead of waiting."""
 
 
-def is_disk_full(error: BaseException | None) -> bool:
-    """Whether `error`, its cause/context chain, or any rank's failure inside a DCP CheckpointException is ENOSPC."""
+def _error_chain(error: BaseException | None):
+    """`error`, its cause/context chain, and every rank's failure inside a DCP CheckpointException, each once."""
     seen: set[int] = set()
     stack = [error]
     while stack:
@@ -53,29 +53,26 @@ def is_disk_full(error: BaseException | None) -> bool:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, DiskFull):
-            return True
-        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
-            return True
+        yield e
         failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
         if isinstance(failures, dict):
             stack += [pair[0] if isinstance(pair, tuple) else pair for pair in failures.values()]
-        elif _DISK_FULL_TEXT.search(str(e)):
-            return True
         stack += [e.__cause__, e.__context__]
+
+
+def is_disk_full(error: BaseException | None) -> bool:
+    """Whether `error`, its cause/context chain, or any rank's failure inside a DCP CheckpointException is ENOSPC."""
+    for e in _error_chain(error):
+        if isinstance(e, DiskFull) or (isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS):
+            return True
+        if not isinstance(getattr(e, "failures", None), dict) and _DISK_FULL_TEXT.search(str(e)):
+            return True
     return False
 
 
 def _torch_write_failed_on_a_full_disk(error: BaseException, folder) -> bool:
-    stack, seen = [error], set()
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if _TORCH_WRITE_FAILED.search(str(e)):
-            return free_bytes(folder)[1] < TORCH_WRITE_FULL_BELOW_BYTES
-        stack += [e.__cause__, e.__context__]
+    if any(_TORCH_WRITE_FAILED.search(str(e)) for e in _error_chain(error)):
+        return free_bytes(folder)[1] < TORCH_WRITE_FULL_BELOW_BYTES
     return False
 
 
@@ -190,18 +187,9 @@ def disk_full_message(folder: str | os.PathLike, error: BaseException | None, fa
 
 def _first_line(error: BaseException) -> str:
     """The OSError's own words (the file it was writing), else the error's first line."""
-    stack, seen = [error], set()
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in _error_chain(error):
         if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
             return f"{e.strerror}: {e.filename}" if e.filename else str(e.strerror)
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            stack += [pair[0] if isinstance(pair, tuple) else pair for pair in failures.values()]
-        stack += [e.__cause__, e.__context__]
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
 

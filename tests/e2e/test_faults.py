@@ -18,7 +18,16 @@ import psutil
 import pytest
 
 from sft_recipe.artifacts.checkpoints import latest_complete_checkpoint
-from tests.helpers import RELATIVE_TOLERANCE, REPO, bin_dir, free_port, launch_env, launch_train, wait_for_training
+from tests.helpers import (
+    RELATIVE_TOLERANCE,
+    REPO,
+    bin_dir,
+    free_port,
+    launch_env,
+    launch_train,
+    rank_pid,
+    wait_for_training,
+)
 
 FLAGS = ["--use_peft_lora", "True", "--lora_target_modules", "all-linear", "--lora_r", "8", "--lora_alpha", "16",
          "--lora_dropout", "0", "--max_steps", "30", "--max_seq_len", "128", "--report_to", "none",
@@ -35,19 +44,6 @@ def _start(tiny, output_dir, extra):
     return subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=log, stderr=subprocess.STDOUT, text=True), log
 
 
-def _rank_pid(launcher: subprocess.Popen, rank: int, timeout_s: float = 120) -> int:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        for child in psutil.Process(launcher.pid).children(recursive=True):
-            try:
-                if "train.py" in " ".join(child.cmdline()) and child.environ().get("RANK") == str(rank):
-                    return child.pid
-            except psutil.Error:
-                continue
-        time.sleep(0.2)
-    raise AssertionError(f"rank {rank} never started")
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("faults") / "full"
@@ -62,7 +58,7 @@ def test_signal_on_one_rank_checkpoints_and_resumes_exactly(signum, rank, tiny, 
     out = tmp_path / "run"
     launcher, log = _start(tiny, out, ["--save_strategy", "no"])
     try:
-        pid = _rank_pid(launcher, rank)
+        pid = rank_pid(launcher, rank)
         wait_for_training(log, steps=2)
         os.kill(pid, signum)
         launcher.wait(timeout=180)
@@ -97,7 +93,7 @@ def test_sigkill_of_one_rank_ends_the_run_and_keeps_the_last_checkpoint(tiny, tm
     out = tmp_path / "run"
     launcher, log = _start(tiny, out, ["--save_strategy", "steps", "--save_steps", "2", "--ddp_timeout", "60"])
     try:
-        pid = _rank_pid(launcher, 1)
+        pid = rank_pid(launcher, 1)
         wait_for_training(log, steps=5)
         os.kill(pid, signal.SIGKILL)
         started = time.time()
@@ -163,7 +159,7 @@ def test_launch_script_exits_75_when_preempted(tiny, tmp_path):
                                "--gradient_accumulation_steps", "1", "--logging_steps", "1"],
                               cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
-        pid = _rank_pid(script, 1)
+        pid = rank_pid(script, 1)
         wait_for_training(log, steps=2)
         os.kill(pid, signal.SIGTERM)
         script.wait(timeout=180)
