@@ -28,12 +28,13 @@ from sft_recipe.artifacts.checkpoints import (
 )
 from sft_recipe.artifacts.disk_full import DISK_FULL_EXIT_CODE, DiskFull, is_disk_full, unguarded_disk_full
 from sft_recipe.artifacts.run_hold import release_run_hold, take_run_hold
-from sft_recipe.config.args import ConfigError, parse_args
+from sft_recipe.config.args import parse_args
 from sft_recipe.config.file_checks import check_tokenizer
 from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
 from sft_recipe.config.validate import validate
 from sft_recipe.data import report as data_report
 from sft_recipe.data.prepare import dataset_flag_notes, prepare, read_splits
+from sft_recipe.errors import ConfigError
 from sft_recipe.logs import quiet_other_ranks
 from sft_recipe.plan import plan_memory
 from sft_recipe.train.divergence import DIVERGED_EXIT_CODE, Diverged

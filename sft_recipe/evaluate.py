@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="exit 1 unless the adapter's answer-token accuracy beats the base model's")
     args = parser.parse_args(argv)
 
-    from sft_recipe.config.args import ConfigError, DataTrainingArguments
+    from sft_recipe.config.args import DataTrainingArguments
     from sft_recipe.data.prepare import MESSAGES, load_splits, split_role
+    from sft_recipe.errors import ConfigError
 
     try:
         datasets = load_splits(DataTrainingArguments(dataset_name=args.dataset_name, splits=args.split))

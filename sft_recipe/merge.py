@@ -30,7 +30,7 @@ import torch
 
 from sft_recipe.artifacts.adapter import ADAPTER_CONFIG, embedding_leaf_name, saved_embedding_rows
 from sft_recipe.artifacts.generation import add_chat_eos
-from sft_recipe.config.args import ConfigError
+from sft_recipe.errors import ConfigError
 from sft_recipe.merge_checks import (  # the refusals and the logits check; callers import them from here too
     CHECK_RELATIVE_TOLERANCE,
     COMMAND,

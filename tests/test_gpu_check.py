@@ -20,8 +20,9 @@ def test_gpu_check_smoke_prints_one_row_per_step(tmp_path):
     assert result.returncode == 0, result.output[-5000:]
     rows = {r["step"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())}
     assert list(rows) == ["lora", "lora+offload", "qlora", "qlora+offload", "lora-fp32base", "lora+actoffload",
-                          "qlora-quantizer", "qlora-1gpu", "gptq", "upstream"]
+                          "lora-diverge", "qlora-quantizer", "qlora-1gpu", "gptq", "upstream"]
     assert rows["lora-fp32base"]["status"] == rows["lora+actoffload"]["status"] == "skipped"  # GPU-only contrasts
+    assert rows["lora-diverge"]["status"] == "skipped"  # its CPU path is tests/e2e/test_divergence_and_ctrl_c.py
     for name in ("lora", "qlora", "qlora-quantizer", "qlora-1gpu"):
         row = rows[name]
         assert (row["status"], row["adapter_check"]) == ("ok", "pass"), row

@@ -101,7 +101,7 @@ def saved_run(checkpoint: str | os.PathLike) -> dict | None:
 
 def _requested_targets(m, trust_remote_code: bool):
     """target_modules as this launch will give them to PEFT (suffixes, or a pattern); None where unknown."""
-    from sft_recipe.config.validate import linear_module_names
+    from sft_recipe.model_shape import linear_module_names
     from sft_recipe.train.architecture import lora_targets
 
     try:

@@ -230,7 +230,7 @@ def acquire(output_dir: str | os.PathLike, environ: dict | None = None, stale_af
             heartbeat_interval_s: float | None = HEARTBEAT_INTERVAL_S) -> RunHold:
     """Take the hold on `output_dir` for this process (the folder is created if needed) and start its heartbeat
     (None: no heartbeat). Raises ConfigError while another live run holds it; a stale hold is taken over."""
-    from sft_recipe.config.args import ConfigError
+    from sft_recipe.errors import ConfigError
 
     root = Path(output_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -300,7 +300,7 @@ def take_run_hold(output_dir: str | os.PathLike, launch) -> RunHold | None:
     go on or all raise ConfigError (exit 2) together -- no rank goes on to load the model alone."""
     import torch.distributed as dist
 
-    from sft_recipe.config.args import ConfigError
+    from sft_recipe.errors import ConfigError
 
     global _active
     outcome: tuple[str, list[str]] = ("held", [])

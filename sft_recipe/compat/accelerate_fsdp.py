@@ -28,7 +28,7 @@ def enable_fsdp_on_cpu(launch) -> bool:
     if not launch.use_cpu:
         if torch.cuda.is_available():
             return False
-        from sft_recipe.config.args import ConfigError
+        from sft_recipe.errors import ConfigError
 
         raise ConfigError([
             "the accelerate config asks for FSDP but this machine has no CUDA GPU. Fix: to run FSDP on the CPU "

@@ -15,14 +15,7 @@ from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A user mistake in the configuration. Carries every problem found, reported at once without a traceback."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{len(self.problems)} configuration problem(s):\n{lines}")
+from sft_recipe.errors import ConfigError  # re-exported: forks and tests import it from here
 
 
 @dataclass

@@ -16,7 +16,8 @@ import zipfile
 from pathlib import Path
 
 from sft_recipe.artifacts.integrity import INDEX_FILE, HeaderError, json_problem, safetensors_header
-from sft_recipe.config.args import ConfigError, ModelArguments
+from sft_recipe.config.args import ModelArguments
+from sft_recipe.errors import ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tekken.json")
 TOKENIZER_SUFFIXES = (".model", ".tiktoken")  # sentencepiece (spiece.model, sentencepiece.bpe.model, ...), tiktoken

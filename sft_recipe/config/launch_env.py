@@ -161,7 +161,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         slurm_restart_count=env.get("SLURM_RESTART_COUNT", "0") if env.get("SLURM_JOB_ID") else "",
     )
     if problems:
-        from sft_recipe.config.args import ConfigError
+        from sft_recipe.errors import ConfigError
 
         raise ConfigError(problems)
     return launch

@@ -283,7 +283,7 @@ def _position_kind(m, t, positions: int) -> str | None:
     or None (e.g. ALiBi: no position limit). Read from the model's modules, built on the meta device (no weights)."""
     import torch
 
-    from sft_recipe.train.model import meta_model
+    from sft_recipe.model_shape import meta_model
 
     model = meta_model(m.model_name_or_path, t.trust_remote_code)
     tokens = model.get_input_embeddings()

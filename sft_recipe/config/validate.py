@@ -7,12 +7,14 @@ import os
 from pathlib import Path
 
 from sft_recipe.artifacts.checkpoints import previous_results, resolve_resume, resume_layout_problems
-from sft_recipe.config.args import ConfigError, DataTrainingArguments, ModelArguments, RecipeArguments
+from sft_recipe.config.args import DataTrainingArguments, ModelArguments, RecipeArguments
 from sft_recipe.config.file_checks import config_file_problems, file_problems
 from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
 from sft_recipe.config.optional_deps import bitsandbytes_optimizers, optional_dependency_problems
 from sft_recipe.config.trainer_checks import trainer_problems
 from sft_recipe.data.prepare import locate_splits
+from sft_recipe.errors import ConfigError
+from sft_recipe.model_shape import linear_module_names, module_names
 from sft_recipe.train.model import DTYPES, flash_attn_problem
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
@@ -214,25 +216,6 @@ def _lora_target_problems(m: ModelArguments, t) -> list[str]:
         problems.append(f"--lora_modules_to_save: {missing} match no module of this model. Fix: usual choices are "
                         f"{sorted(all_names & {'embed_tokens', 'lm_head', 'norm'})}.")
     return problems
-
-
-def module_names(model_name_or_path: str, trust_remote_code: bool) -> set[str]:
-    from sft_recipe.train.model import meta_model
-
-    return {name.rsplit(".", 1)[-1] for name, _ in meta_model(model_name_or_path, trust_remote_code).named_modules()
-            if name}
-
-
-def linear_module_names(model_name_or_path: str, trust_remote_code: bool) -> set[str]:
-    """Leaf names of the model's linear layers (q_proj, gate_proj, ...), lm_head excluded, built on meta."""
-    import torch
-
-    from sft_recipe.train.model import meta_model
-
-    model = meta_model(model_name_or_path, trust_remote_code)
-    output = model.get_output_embeddings()
-    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and module is not output}
 
 
 def _training_problems(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,

@@ -13,8 +13,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sft_recipe.config.args import ConfigError
 from sft_recipe.data.formats import KNOWN_ROLES, LIKELY_ROLE, convert_row
+from sft_recipe.errors import ConfigError
 
 MAX_LISTED = 20  # problems shown in one error; the rest are counted
 DROP_HINT = "--drop_bad_rows True to train without such rows"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sft_recipe.config.args import ConfigError
+from sft_recipe.errors import ConfigError
 
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT's own role names. Other names (bot, model, ...) are mapped with --dataset_role_map.

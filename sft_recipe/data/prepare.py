@@ -12,8 +12,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sft_recipe.config.args import ConfigError, DataTrainingArguments
+from sft_recipe.config.args import DataTrainingArguments
 from sft_recipe.data.checks import scan_json_lines
+from sft_recipe.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

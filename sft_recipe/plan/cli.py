@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from sft_recipe.config.args import ConfigError
+from sft_recipe.errors import ConfigError
 from sft_recipe.plan.gpu import (
     DEFAULT_ALLOCATOR_RESERVE,
     DEFAULT_CUDA_CONTEXT_GIB,
@@ -102,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cli = build_cli()
     ours, train_argv = cli.parse_known_args(argv)
-    if ours.guide:
-        print(render_guide_comparison())
+    if ours.guide:  # the guide's figures against the plan, then its renting answers
+        from sft_recipe.plan.guide_renting import render_guide_renting
+
+        print(render_guide_comparison(), *render_guide_renting(), sep="\n")
         return 0
     if ours.gpu_memory_gib is None:
         print("error: --gpu_memory_gib is required: the memory of one GPU in GiB (e.g. 80), or --guide.",

@@ -183,8 +183,5 @@ def render_guide_comparison(plans: dict[str, MemoryPlan] | None = None,
                  "'+ full logits' column adds them, an upper bound); nvidia-smi shows reserved memory, above what "
                  "the allocator hands out; host RAM figures also depend on the page cache the checkpoint reads fill "
                  "(not counted in the peak).")
-    from sft_recipe.plan.guide_renting import render_guide_renting  # it imports this module
-
-    lines += render_guide_renting()
     return "\n".join(lines)
 

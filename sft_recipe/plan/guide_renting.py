@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sft_recipe.plan.guide import GUIDE_RUNS, recipe_flags
 from sft_recipe.plan.inputs import parse_train_flags
 from sft_recipe.plan.planner import plan_memory
 from sft_recipe.plan.renting import Run, fewest_gpus, longest_seq_len
@@ -18,8 +19,6 @@ GUIDE_LAUNCH = {"lora-8x80": ("configs/fsdp_config.yaml", "recipes/llama2_70b_lo
 
 def guide_run(key: str, extra: tuple[str, ...] = ()) -> Run:
     """One of the guide's runs (guide.GUIDE_RUNS) as a Run whose commands name its shipped recipe and YAML."""
-    from sft_recipe.plan.guide import GUIDE_RUNS, recipe_flags
-
     config_file, recipe = GUIDE_LAUNCH[key]
     spec = GUIDE_RUNS[key]
     model_args, data_args, _, training_args = parse_train_flags(recipe_flags(spec.recipe) + list(extra), "cuda")
@@ -49,7 +48,7 @@ def host_at_load_gib(plan: MemoryPlan) -> float:
 
 
 def render_guide_renting(answers: dict[str, Any] | None = None) -> list[str]:
-    """The guide's renting lines for `--guide` (guide.render_guide_comparison appends them)."""
+    """The guide's renting lines for `--guide` (the CLI prints them after guide.render_guide_comparison)."""
     answers = answers or guide_renting()
     lines = ["  renting (--fewest_gpus, FSDP1 FULL_SHARD as configs/fsdp_config.yaml; --longest_seq_len):"]
     for key, item in answers.items():

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sft_recipe.config.args import ConfigError
+from sft_recipe.errors import ConfigError
 from sft_recipe.plan.inputs import parse_train_flags, read_accelerate_config, workload
 from sft_recipe.plan.planner import plan_memory
 from sft_recipe.plan.result import GIB, MemoryPlan

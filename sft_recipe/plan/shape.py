@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from sft_recipe.config.args import ConfigError
+from sft_recipe.errors import ConfigError
 
 # Architectures shipped inside this package (config.json only, no weights), so the guide's recipes plan offline from
 # an installed package as from a checkout.
@@ -93,7 +93,7 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
     """
     import torch
 
-    from sft_recipe.train.model import meta_model
+    from sft_recipe.model_shape import meta_model
 
     where, note = resolve_model_config_dir(model_name_or_path)
     try:

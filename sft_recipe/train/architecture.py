@@ -34,7 +34,7 @@ def attention_implementation(model_args: ModelArguments) -> str | None:
 
 @lru_cache(maxsize=16)
 def _meta(model_name_or_path: str, trust_remote_code: bool):
-    from sft_recipe.train.model import meta_model
+    from sft_recipe.model_shape import meta_model
 
     return meta_model(model_name_or_path, trust_remote_code)
 

@@ -278,20 +278,6 @@ def materialize_meta_parameters(model) -> int:
     return len(replaced)
 
 
-def meta_model(model_name_or_path: str, trust_remote_code: bool = False):
-    """The model's architecture on the meta device: built from its config alone, no weights read or allocated, so it
-    costs the same for a 70B as for the tiny model. Used to check configurations and saved adapters."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_utils import set_zero3_state
-
-    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
-    # set_zero3_state() tells transformers zero.Init is already active: under DeepSpeed ZeRO-3, from_config would
-    # otherwise build the model inside deepspeed.zero.Init, a collective (it broadcasts every parameter), and this
-    # runs on the main process only (the adapter check): it would wait for the other ranks forever.
-    with torch.device("meta"), set_zero3_state():
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-
-
 def fit_embeddings_to_tokenizer(model, tokenizer) -> bool:
     """Grow the embeddings to exactly len(tokenizer) when tokens were added; never shrink, never pad.
 

@@ -41,7 +41,7 @@ from sft_recipe.artifacts.state_io import (
     save_scheduler,
     unsafe_dcp_metadata,
 )
-from sft_recipe.config.args import ConfigError
+from sft_recipe.errors import ConfigError
 from sft_recipe.measure import RssWatch, gpu_peak_gib, save_cost, unsharded_fsdp2_params, weight_mib
 from sft_recipe.train.divergence import StepHealth
 from sft_recipe.train.model import materialize_meta_parameters

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from sft_recipe.config.args import ModelArguments
+from sft_recipe.model_shape import meta_model
 from sft_recipe.train import architecture
-from sft_recipe.train.model import attention_kwargs, materialize_meta_parameters, meta_model
+from sft_recipe.train.model import attention_kwargs, materialize_meta_parameters
 
 
 def _args(path, **kw) -> ModelArguments:
