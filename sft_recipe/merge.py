@@ -43,7 +43,8 @@ from sft_recipe.merge_checks import (  # the refusals and the logits check; call
     refuse_merge_in_fsdp,  # noqa: F401
     refuse_under_distributed_launcher,
 )
-from sft_recipe.train.model import DTYPES as ALL_DTYPES
+from sft_recipe.model_shape import DTYPES as ALL_DTYPES
+from sft_recipe.model_shape import config_dtype, read_config
 from sft_recipe.train.record import RUN_RECORD  # written by train.py next to the adapter
 
 OLDER_RUN_FACTS = "run_facts.json"  # what train.py wrote before the run record: quantization at its top level
@@ -97,10 +98,9 @@ def _training_quantization(adapter_dir: Path) -> tuple[str | None, str | None]:
     return (str(value) if value else None), None
 
 
-def _config_dtype(config) -> torch.dtype:
-    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(value, str):
-        value = DTYPES.get(value.removeprefix("torch."))
+def _merge_dtype(config) -> torch.dtype:
+    """The base config's dtype where merging in it is checked (fp32/bf16/fp16), else float32."""
+    value = config_dtype(config)
     return value if value in CHECK_RELATIVE_TOLERANCE else torch.float32
 
 
@@ -156,10 +156,8 @@ def plan_merge(adapter_dir: str | os.PathLike, output_dir: str | os.PathLike, *,
         raise MergeError(f"--output_dir {output_dir} exists and is not empty. Fix: choose a new folder, or pass "
                          f"--overwrite to replace it (the new model is written beside it and swapped in at the end).")
 
-    from transformers import AutoConfig
-
     try:
-        config = AutoConfig.from_pretrained(base, trust_remote_code=trust_remote_code)
+        config = read_config(base, trust_remote_code)
     except Exception as e:
         source = ("--base_model_name_or_path" if base_model_name_or_path
                   else f"base_model_name_or_path in {ADAPTER_CONFIG}")
@@ -180,7 +178,7 @@ def plan_merge(adapter_dir: str | os.PathLike, output_dir: str | os.PathLike, *,
         if quantized:
             chosen, reason = torch.bfloat16, f"QLoRA ({quantized} training per {RUN_RECORD}): bf16 base, not 4-bit"
         else:
-            chosen, reason = _config_dtype(config), "the base config's dtype"
+            chosen, reason = _merge_dtype(config), "the base config's dtype"
     elif dtype in DTYPES:
         chosen, reason = DTYPES[dtype], "--dtype"
     else:

@@ -87,13 +87,15 @@ def base_generation_config(base_name_or_path: str, trust_remote_code: bool = Fal
     """The base's generation_config.json, or (none saved) the one transformers derives from its config.json: read
     from the files, not the training model, which TRL changes (its pad token). `fallback` (the training model's
     config) where the base's files cannot be read any more: a save at the end of a long run must not fail on it."""
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import GenerationConfig
+
+    from sft_recipe.model_shape import read_config
 
     try:
         try:
             return GenerationConfig.from_pretrained(base_name_or_path)
         except OSError:  # no generation_config.json: transformers builds one from config.json the same way
-            config = AutoConfig.from_pretrained(base_name_or_path, trust_remote_code=trust_remote_code)
+            config = read_config(base_name_or_path, trust_remote_code)
             return GenerationConfig.from_model_config(config)
     except (OSError, ValueError) as e:
         if fallback is None:

@@ -169,9 +169,9 @@ def base_problems(checkpoint: str, saved: dict | None, m, trust_remote_code: boo
     head = f"--resume_from_checkpoint {checkpoint} was trained on {then}, but --model_name_or_path is {now_name}"
     if "shape" in saved:  # recorded by this version
         try:
-            from transformers import AutoConfig
+            from sft_recipe.model_shape import read_config
 
-            now_shape = config_shape(AutoConfig.from_pretrained(now_name, trust_remote_code=trust_remote_code))
+            now_shape = config_shape(read_config(now_name, trust_remote_code))
         except Exception:  # an unreadable config is reported by validate's own checks
             return []
         differ = [k for k in SHAPE_KEYS if saved["shape"].get(k) != now_shape.get(k)]

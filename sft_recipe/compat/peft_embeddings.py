@@ -13,14 +13,14 @@ def save_embedding_layers_for(peft_model, trust_remote_code: bool = False) -> bo
     initialised rows for those tokens, not the ones it was trained with. Here the text config is read on both sides.
     When it can go: the gemma3-multimodal cell of tests/e2e/test_families.py saves the embedding rows without it.
     """
-    from transformers import AutoConfig
+    from sft_recipe.model_shape import read_config
 
     config = peft_model.get_base_model().config
     if config.get_text_config() is config:
         return "auto"  # PEFT's check reads this config correctly
     base = peft_model.peft_config[peft_model.active_adapter].base_model_name_or_path
     try:
-        saved = AutoConfig.from_pretrained(base, trust_remote_code=trust_remote_code).get_text_config().vocab_size
+        saved = read_config(base, trust_remote_code).get_text_config().vocab_size
     except (OSError, ValueError):
         return "auto"
     return True if saved != peft_model.get_input_embeddings().weight.shape[0] else "auto"

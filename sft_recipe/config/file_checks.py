@@ -168,9 +168,9 @@ def check_tokenizer(m: ModelArguments, tokenizer, resume_from: str | None, trust
 
     problems = tokenizer_size_problems(resume_from, tokenizer)
     try:
-        from transformers import AutoConfig
+        from sft_recipe.model_shape import read_config
 
-        config = AutoConfig.from_pretrained(m.model_name_or_path, trust_remote_code=trust_remote_code)
+        config = read_config(m.model_name_or_path, trust_remote_code)
         rows = getattr(config.get_text_config(), "vocab_size", None)
     except Exception:  # an unreadable config was reported by validate
         rows = None

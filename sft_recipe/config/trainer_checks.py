@@ -222,9 +222,9 @@ def tokenizer_flag_problems(m, t) -> list[str]:
 def _read_config(m, t):
     """The model's config (None where it cannot be read: validate names that problem itself)."""
     try:
-        from transformers import AutoConfig
+        from sft_recipe.model_shape import read_config
 
-        return AutoConfig.from_pretrained(m.model_name_or_path, trust_remote_code=t.trust_remote_code)
+        return read_config(m.model_name_or_path, t.trust_remote_code)
     except Exception:
         return None
 

@@ -341,11 +341,10 @@ def _longest(run: Run, cfg: dict, training_args, budget: float, cap: int,
 def model_context_length(run: Run) -> int | None:
     """max_position_embeddings as the model's config declares it (None when it says none or cannot be read)."""
     try:
-        from transformers import AutoConfig
+        from sft_recipe.model_shape import read_config
 
         where, _ = resolve_model_config_dir(run.model_args.model_name_or_path)
-        config = AutoConfig.from_pretrained(where, trust_remote_code=bool(getattr(run.training_args,
-                                                                                  "trust_remote_code", False)))
+        config = read_config(where, bool(getattr(run.training_args, "trust_remote_code", False)))
         return getattr(config.get_text_config(), "max_position_embeddings", None)
     except Exception:  # noqa: BLE001 -- a note only
         return None

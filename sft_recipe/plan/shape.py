@@ -93,7 +93,7 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
     """
     import torch
 
-    from sft_recipe.model_shape import meta_model
+    from sft_recipe.model_shape import config_dtype, meta_model
 
     where, note = resolve_model_config_dir(model_name_or_path)
     try:
@@ -132,9 +132,7 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    dtype = getattr(text, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, torch.float32)
+    dtype = config_dtype(config)
     files = list(Path(where).glob("*.safetensors")) if Path(where).is_dir() else []
     checkpoint_bytes = sum(f.stat().st_size for f in files) or total * dtype.itemsize
     return ModelShape(
@@ -161,8 +159,7 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
 
 def config_vocab_size(model_name_or_path: str, trust_remote_code: bool = False) -> int:
     """V as the model's config declares it: the checkpoint's own vocabulary, before a chat template adds rows."""
-    from transformers import AutoConfig
+    from sft_recipe.model_shape import read_config
 
     where, _ = resolve_model_config_dir(model_name_or_path)
-    config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
-    return config.get_text_config().vocab_size
+    return read_config(where, trust_remote_code).get_text_config().vocab_size

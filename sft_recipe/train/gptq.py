@@ -23,10 +23,10 @@ TRAINABLE_BACKEND = "auto_trainable"
 
 def checkpoint_quant_method(model_name_or_path: str, trust_remote_code: bool = False) -> str | None:
     """`quant_method` of a pre-quantized checkpoint ("gptq", "awq", ...), or None. Reads the config only."""
-    from transformers import AutoConfig
+    from sft_recipe.model_shape import read_config
 
     try:
-        config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+        config = read_config(model_name_or_path, trust_remote_code)
     except Exception:
         return None  # unreadable configs are reported by the LoRA-target check
     return config_quant_method(config)
@@ -97,9 +97,11 @@ def loading_kwargs(m, trust_remote_code: bool = False) -> dict:
     """Extra from_pretrained arguments for a GPTQ base: a trainable kernel (the checkpoint's own config is kept)."""
     if checkpoint_quant_method(m.model_name_or_path, trust_remote_code) != "gptq":
         return {}
-    from transformers import AutoConfig, GPTQConfig
+    from transformers import GPTQConfig
 
-    saved = AutoConfig.from_pretrained(m.model_name_or_path, trust_remote_code=trust_remote_code).quantization_config
+    from sft_recipe.model_shape import read_config
+
+    saved = read_config(m.model_name_or_path, trust_remote_code).quantization_config
     saved = saved if isinstance(saved, dict) else saved.to_dict()
     # Only loading attributes (backend) are taken from this object; the quantization itself comes from the checkpoint.
     return {"quantization_config": GPTQConfig(bits=saved.get("bits", 4), backend=m.gptq_backend)}

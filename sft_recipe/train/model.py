@@ -14,6 +14,7 @@ import torch
 from sft_recipe.compat import keep_present_no_split_modules, quantized_base_device_map
 from sft_recipe.config.args import ModelArguments
 from sft_recipe.measure import live_tensor_mib, quant_state_tensors
+from sft_recipe.model_shape import DTYPES, checkpoint_dtype, read_config
 from sft_recipe.train.architecture import (
     attention_implementation,
     attention_note,
@@ -23,8 +24,6 @@ from sft_recipe.train.architecture import (
 )
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
 
 # Our own Jinja templates. Assistant turns are wrapped in {% generation %} so TRL's assistant-only loss can find them.
 CHATML_TEMPLATE = (
@@ -118,15 +117,6 @@ def model_dtype(model_args: ModelArguments) -> torch.dtype:
     if model_args.torch_dtype == "auto":
         return checkpoint_dtype(model_args.model_name_or_path)
     return DTYPES.get(model_args.torch_dtype or "float32", torch.float32)
-
-
-def checkpoint_dtype(model_name_or_path: str, trust_remote_code: bool = False) -> torch.dtype:
-    """The dtype a checkpoint's config says its weights are stored in (float32 when it says none)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
-    dtype = getattr(config.get_text_config(), "dtype", None) or getattr(config, "dtype", None) or torch.float32
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
 def attention_kwargs(model_args: ModelArguments) -> dict:
@@ -235,9 +225,7 @@ def weights_arrive_from_rank0(model_args: ModelArguments, launch, trust_remote_c
         return False
     if model_args.use_4bit_quantization or model_args.use_8bit_quantization:
         return False
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=trust_remote_code)
+    config = read_config(model_args.model_name_or_path, trust_remote_code)
     return getattr(config, "quantization_config", None) is None  # pre-quantized checkpoints (GPTQ) load as usual
 
 
@@ -246,9 +234,9 @@ def model_without_weights(model_args: ModelArguments, trust_remote_code: bool = 
     Buffers stay real (`include_buffers=False`): non-persistent ones such as rotary frequencies are computed at
     construction, are not in any checkpoint, and FSDP2's broadcast does not carry them."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=trust_remote_code)
+    config = read_config(model_args.model_name_or_path, trust_remote_code)
     with init_empty_weights(include_buffers=False):
         return AutoModelForCausalLM.from_config(config, dtype=model_dtype(model_args), **attention_kwargs(model_args),
                                                 trust_remote_code=trust_remote_code)
@@ -305,9 +293,7 @@ def lora_target_modules(model_args: ModelArguments) -> str | list[str]:
 def added_token_ids(model_args: ModelArguments, tokenizer, trust_remote_code: bool = False) -> list[int]:
     """Ids the tokenizer has beyond the base model's vocabulary (chatml/zephyr tokens, <pad>): rows that start
     random and that only training can make useful. Read from the model config; no weights are loaded."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=trust_remote_code)
+    config = read_config(model_args.model_name_or_path, trust_remote_code)
     vocab_size = getattr(config.get_text_config(), "vocab_size", None) or len(tokenizer)
     return list(range(vocab_size, len(tokenizer)))
 
