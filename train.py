@@ -29,14 +29,15 @@ from sft_recipe.artifacts.checkpoints import (
 from sft_recipe.artifacts.disk_full import DISK_FULL_EXIT_CODE, DiskFull, is_disk_full, unguarded_disk_full
 from sft_recipe.artifacts.run_hold import release_run_hold, take_run_hold
 from sft_recipe.config.args import parse_args
-from sft_recipe.config.file_checks import check_tokenizer
 from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
-from sft_recipe.config.validate import validate
 from sft_recipe.data import report as data_report
 from sft_recipe.data.prepare import dataset_flag_notes, prepare, read_splits
 from sft_recipe.errors import ConfigError
 from sft_recipe.logs import quiet_other_ranks
 from sft_recipe.plan import plan_memory
+from sft_recipe.preflight.file_checks import check_tokenizer
+from sft_recipe.preflight.validate import validate
+from sft_recipe.train.architecture import lora_targets
 from sft_recipe.train.divergence import DIVERGED_EXIT_CODE, Diverged
 from sft_recipe.train.gptq import checkpoint_quant_method  # a GPTQ base is recorded as quantization "gptq"
 from sft_recipe.train.model import added_token_ids, load_model, load_tokenizer, lora_config, untrained_token_note
@@ -86,6 +87,8 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
     new_token_ids = added_token_ids(model_args, tokenizer, training_args.trust_remote_code)
     if note := untrained_token_note(model_args, new_token_ids):
         logger.warning(note)
+    if model_args.use_peft_lora and (note := lora_targets(model_args, training_args.trust_remote_code).note()):
+        logger.warning(note)  # what all-linear leaves untrained on this family, and why
 
     # 4. Trainer: TRL's, with every adapter save (checkpoints too) gathered, fixed and verified.
     trainer = RecipeSFTTrainer(

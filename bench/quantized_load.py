@@ -96,9 +96,9 @@ def part_measured(sizes) -> list[str]:
 
 
 def part_planned() -> list[str]:
-    from sft_recipe.config.load_checks import quantized_base_bytes
     from sft_recipe.plan import GIB, parse_train_flags, plan_memory
     from sft_recipe.plan.guide import GUIDE_RUNS, recipe_flags
+    from sft_recipe.preflight.load_checks import quantized_base_bytes
 
     run = GUIDE_RUNS["qlora-2x24-offload"]
     model_args, data_args, _, training_args = parse_train_flags(recipe_flags(run.recipe), "cuda")
@@ -126,7 +126,7 @@ def part_planned() -> list[str]:
     lines.append(f"| DeepSpeed ZeRO-3 | none allowed (transformers refuses a device_map under ZeRO-3) | "
                  f"{whole + 1:.1f} | {whole + 1:.1f} | 0 | 0 | refused before loading when it exceeds the GPU |")
     lines.append("(GPU figures include the plan's 1 GiB CUDA context; ZeRO-3 is not in the planner: its row is the "
-                 "whole quantized base from the planner's formula, as config/load_checks.py computes it)")
+                 "whole quantized base from the planner's formula, as preflight/load_checks.py computes it)")
     return lines
 
 

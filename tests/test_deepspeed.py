@@ -121,7 +121,7 @@ def _validate_under_deepspeed(argv, env, monkeypatch):
     built under ACCELERATE_USE_DEEPSPEED or with --ddp_backend gloo wants a process group, which only a real launch
     has. So "gloo" in argv is applied to the parsed arguments (what validate reads)."""
     from sft_recipe.config.args import parse_args
-    from sft_recipe.config.validate import validate
+    from sft_recipe.preflight.validate import validate
 
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     parsed = parse_args([a for a in argv if a != "gloo"])

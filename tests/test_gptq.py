@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from sft_recipe.config.args import ConfigError, parse_args
-from sft_recipe.config.validate import validate
+from sft_recipe.preflight.validate import validate
 from tests.helpers import REPO, launch_env, run_command
 
 SITE = REPO / ".venv" / "gptq-site"

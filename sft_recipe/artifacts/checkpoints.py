@@ -31,7 +31,7 @@ def mark_complete(checkpoint_dir: str | os.PathLike, global_step: int, world_siz
     checksums), so that damage is found before anything loads (`checkpoint_damage`); and `run`, what was trained
     (`resume_match.run_identity`), so that a resume with another base, tokenizer or LoRA shape is refused."""
     from sft_recipe.artifacts.integrity import file_records
-    from sft_recipe.artifacts.state_io import write_atomically
+    from sft_recipe.atomic import write_atomically
 
     marker = json.dumps({"global_step": global_step, "time": time.time(), "world_size": world_size,
                          "global_batch_size": global_batch_size, "run": run,

@@ -10,7 +10,7 @@ barrier the save ended with: a rank whose own write failed (its RNG state, the m
 files) no longer leaves the others waiting in the next collective until the launcher kills them. What the save left
 half-written is never taken for whole: a checkpoint folder counts only once `mark_complete` wrote its marker (the
 trainer marks after this agreement), the final adapter is written to a temporary folder that is removed here, and
-`state_io.write_atomically` removes its temporary sibling.
+`sft_recipe.atomic.write_atomically` removes its temporary sibling.
 """
 
 from __future__ import annotations

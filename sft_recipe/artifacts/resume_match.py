@@ -102,10 +102,10 @@ def saved_run(checkpoint: str | os.PathLike) -> dict | None:
 def _requested_targets(m, trust_remote_code: bool):
     """target_modules as this launch will give them to PEFT (suffixes, or a pattern); None where unknown."""
     from sft_recipe.model_shape import linear_module_names
-    from sft_recipe.train.architecture import lora_targets
+    from sft_recipe.model_structure import lora_targets_of
 
-    try:
-        targets = lora_targets(m, trust_remote_code)  # what all-linear means for this family
+    try:  # what all-linear means for this family
+        targets = lora_targets_of(m.lora_target_modules, m.model_name_or_path, trust_remote_code).target_modules
         if targets == "all-linear":  # PEFT's rule: every linear layer but the output layer
             targets = linear_module_names(m.model_name_or_path, trust_remote_code)
     except Exception:  # an unreadable config is reported by validate's own checks

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from sft_recipe.atomic import write_atomically
+
 SCHEDULER_FILE = "scheduler.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 
@@ -36,17 +38,6 @@ class StateFileError(RuntimeError):
 def rng_state_file(checkpoint_dir: str | os.PathLike, process_index: int, world_size: int) -> Path:
     name = "rng_state.safetensors" if world_size <= 1 else f"rng_state_{process_index}.safetensors"
     return Path(checkpoint_dir) / name
-
-
-def write_atomically(path: Path, write) -> None:
-    """`write(tmp)` writes a sibling temporary file, which then replaces `path` in one step: never half-written."""
-    tmp = path.with_name(f".{path.name}.writing-{os.getpid()}")
-    try:
-        write(tmp)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk must not leave the partial file (or its space) behind
-        raise
-    os.replace(tmp, path)
 
 
 # --- RNG ------------------------------------------------------------------------------------------------------------

@@ -268,7 +268,7 @@ def parse_args(argv: list[str] | None = None, launch=None):
     `launch` (a LaunchEnv; read from this process when not given) decides the machine-dependent defaults.
 
     Raises ConfigError listing every problem found in the arguments themselves; semantic checks live in
-    ``sft_recipe.config.validate``.
+    ``sft_recipe.preflight.validate``.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()

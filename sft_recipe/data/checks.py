@@ -147,7 +147,7 @@ def render_problem(converted: dict, tokenizer, chat_template: str | None = None,
     if not text.strip():
         return "the chat template renders it to nothing"
     if assistant_only_loss:
-        from sft_recipe.config.trainer_checks import assistant_tokens_problem
+        from sft_recipe.data.chat_templates import assistant_tokens_problem
 
         return assistant_tokens_problem(messages, tokenizer, chat_template)
     return None

@@ -243,7 +243,7 @@ def _assistant_only_loss_problems(formats: dict[str, str], conversational: dict[
                       f"everything but the assistant turns); this data is {', '.join(plain)} (not conversational). "
                       "Fix: use chat data, or drop the flag (prompt/completion rows are trained on the completion "
                       "only anyway)."]
-    from sft_recipe.config.trainer_checks import assistant_only_loss_template
+    from sft_recipe.data.chat_templates import assistant_only_loss_template
 
     return assistant_only_loss_template(tokenizer)  # as SFTTrainer.__init__ will choose it, or why it cannot
 

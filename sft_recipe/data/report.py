@@ -195,7 +195,7 @@ def measure(prepared, tokenizer, training_args) -> DataReport:
 
 
 def write(report: DataReport, output_dir: str) -> Path:
-    from sft_recipe.artifacts.state_io import write_atomically
+    from sft_recipe.atomic import write_atomically
 
     path = Path(output_dir) / REPORT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -145,7 +145,10 @@ def distribution(cfg: dict, num_processes: int | None = None, training_args=None
 
 
 def workload(model_args, data_args, training_args, device: str, dora: bool = False) -> Workload:
-    from sft_recipe.train.model import CHAT_FORMATS, DTYPES, lora_target_modules, model_dtype
+    from sft_recipe.config.dtypes import model_dtype
+    from sft_recipe.data.chat_templates import CHAT_FORMATS
+    from sft_recipe.model_shape import DTYPES
+    from sft_recipe.model_structure import parse_target_modules
 
     quant = "4bit" if model_args.use_4bit_quantization else ("8bit" if model_args.use_8bit_quantization else None)
     load_bytes = model_dtype(model_args).itemsize
@@ -155,7 +158,7 @@ def workload(model_args, data_args, training_args, device: str, dora: bool = Fal
         compute = 2
     fmt = CHAT_FORMATS.get(model_args.chat_template_format)
     extra_vocab = (len(fmt.extra_special_tokens) + 1) if fmt else 0  # + pad
-    targets = lora_target_modules(model_args)
+    targets = parse_target_modules(model_args.lora_target_modules)
     seq = training_args.max_length or 1024
     # transformers 5.24 renamed gradient_checkpointing to activation_checkpointing (the old name mirrors it).
     checkpointing = getattr(training_args, "activation_checkpointing", None)

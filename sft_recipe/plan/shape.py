@@ -39,10 +39,15 @@ class ModelShape:
     quantizable_params: int  # Q: weights of nn.Linear layers other than the output head
     quantizable_linears: int
     largest_linear_params: int
-    layer_linears: tuple[Linear, ...]  # the nn.Linear layers of one decoder layer
+    layer_linears: tuple[Linear, ...]  # the nn.Linear layers of the largest decoder layer (an MoE one, for DeepSeek)
     root_linears: tuple[Linear, ...]  # nn.Linear outside the layers (the output head, ...)
     output_head: str  # leaf name of the output head
     checkpoint_bytes: int  # size of the weights on disk (safetensors files, else P x config dtype)
+    # Every nn.Linear of the model as (full name, Linear), and the full names `all-linear` adapts on it
+    # (sft_recipe/model_structure.py: no routed experts, routers or vision tower; dense first layers counted apart).
+    linears: tuple[tuple[str, Linear], ...] = ()
+    all_linear: frozenset[str] = frozenset()
+    largest_layer: str = ""  # module name of the largest decoder layer
 
     def lora_params(self, r: int, targets: str | list[str], dora: bool = False) -> int:
         """LoRA parameters: sum over adapted linears of r*(in + out) (A is r x in, B is out x r); DoRA adds a magnitude
@@ -53,18 +58,17 @@ class ModelShape:
         return total
 
     def adapted_linears(self, targets: str | list[str]) -> list[Linear]:
-        per_layer = [lin for lin in self.layer_linears if _targeted(lin.name, targets, self.output_head)]
-        root = [lin for lin in self.root_linears if _targeted(lin.name, targets, self.output_head)]
-        return per_layer * self.num_layers + root
+        """Every linear of the model the targets adapt: `all-linear` as model_structure resolves it, a list by
+        leaf name (PEFT's suffix match)."""
+        return [lin for full, lin in self.linears if self._adapts(full, lin, targets)]
 
     def adapted_per_layer(self, targets: str | list[str]) -> list[Linear]:
-        return [lin for lin in self.layer_linears if _targeted(lin.name, targets, self.output_head)]
+        """The adapted linears of the largest decoder layer (the activations of one layer)."""
+        inside = f"{self.largest_layer}."
+        return [lin for full, lin in self.linears if full.startswith(inside) and self._adapts(full, lin, targets)]
 
-
-def _targeted(name: str, targets: str | list[str], output_head: str) -> bool:
-    if targets == "all-linear":
-        return name != output_head
-    return name in targets
+    def _adapts(self, full: str, lin: Linear, targets: str | list[str]) -> bool:
+        return full in self.all_linear if targets == "all-linear" else lin.name in targets
 
 
 def shipped_name(path: Path) -> str:
@@ -106,13 +110,14 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
             "for Llama-2-70B, or log in / go online for a Hub id."]) from None
     if extra_vocab:
         model.resize_token_embeddings(model.get_input_embeddings().weight.shape[0] + extra_vocab, mean_resizing=False)
-    from sft_recipe.train.architecture import NON_TEXT_PARTS, text_decoder_prefix
+    from sft_recipe.model_structure import in_text_decoder, resolve_lora_targets, text_decoder_prefix
 
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     # The decoder's layers: a multimodal checkpoint's vision/audio encoder layers count with the rest (root).
     prefix = text_decoder_prefix(model)
-    layers = [m for name, m in model.named_modules() if type(m).__name__ in layer_classes and name.startswith(prefix)
-              and not any(part in name.split(".") for part in NON_TEXT_PARTS)]
+    named_layers = [(name, m) for name, m in model.named_modules() if type(m).__name__ in layer_classes
+                    and in_text_decoder(name, prefix)]
+    layers = [m for _, m in named_layers]
     if not layers:
         raise ConfigError([f"--model_name_or_path {model_name_or_path}: no decoder layer class found "
                            f"(_no_split_modules={sorted(layer_classes)}); the planner needs a transformer with "
@@ -121,10 +126,13 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
     output_head = next(name.rsplit(".", 1)[-1] for name, m in model.named_modules() if m is output)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     total = sum(p.numel() for p in model.parameters())
-    layer_params = sum(p.numel() for p in layers[0].parameters())
+    # The largest layer is the FSDP unit gathered whole: DeepSeek's first layers are dense, the rest hold the experts.
+    largest_name, largest = max(named_layers, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    layer_params = sum(p.numel() for p in largest.parameters())
+    root_params = total - sum(p.numel() for layer in layers for p in layer.parameters())
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     layer_linears = tuple(Linear(n.rsplit(".", 1)[-1], m.in_features, m.out_features)
-                          for n, m in layers[0].named_modules() if isinstance(m, torch.nn.Linear))
+                          for n, m in largest.named_modules() if isinstance(m, torch.nn.Linear))
     root_linears = tuple(Linear(n.rsplit(".", 1)[-1], m.in_features, m.out_features)
                          for n, m in linears if id(m.weight) not in in_layers)
     quantizable = [m for _, m in linears if m is not output]
@@ -145,7 +153,7 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
         vocab_size=output.weight.shape[0],
         total_params=total,
         layer_params=layer_params,
-        root_params=total - layer_params * len(layers),
+        root_params=root_params,
         quantizable_params=sum(m.weight.numel() for m in quantizable),
         quantizable_linears=len(quantizable),
         largest_linear_params=max(m.weight.numel() for _, m in linears),
@@ -153,6 +161,9 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
         root_linears=root_linears,
         output_head=output_head,
         checkpoint_bytes=checkpoint_bytes,
+        linears=tuple((n, Linear(n.rsplit(".", 1)[-1], m.in_features, m.out_features)) for n, m in linears),
+        all_linear=resolve_lora_targets("all-linear", model).modules,
+        largest_layer=largest_name,
     )
 
 

@@ -3,28 +3,18 @@
 - Attention: `--use_flash_attn True` asks for flash_attention_2 and is refused up front for a class transformers
   implements without it; otherwise transformers picks the best its class supports (SDPA where it exists, else eager:
   Gemma-2's soft-capped attention), said once in the log.
-- What `all-linear` adapts: every nn.Linear but the output head (PEFT's own rule), except where PEFT 0.21 reaches
-  further and breaks the run:
-  * fused MoE experts (Mixtral, Qwen3-MoE on transformers 5 keep experts in 3-D parameters): PEFT adds the experts and
-    the router through `target_parameters`, whose ParamWrapper raises on the guide's lora_dropout 0.1. Here
-    `all-linear` is the attention and shared projections; experts are adapted only when named
-    (`--lora_target_parameters`), the router never unless named.
-  * multimodal checkpoints trained on text (Gemma-3 4B+, ...): only the language model's linears; a vision tower that
-    sees no image gets no gradient, and its LoRA weights would stay zero (the adapter check fails after training).
+- What `all-linear` adapts, and which parameters are routed experts: sft_recipe/model_structure.py, read from the
+  module structure. Experts are adapted only when named (`--lora_target_parameters`, through PEFT's ParamWrapper,
+  which has no dropout), the router never.
 - Tied input/output embeddings: which parameter names share one tensor.
 """
 
 from __future__ import annotations
 
-import re
 from functools import lru_cache
 
-import torch
-
 from sft_recipe.config.args import ModelArguments
-
-# Module names of the non-text parts of multimodal models in transformers 5 (vision/audio encoders, projectors).
-NON_TEXT_PARTS = ("vision_tower", "vision_model", "visual", "audio_tower", "multi_modal_projector", "vision_embed")
+from sft_recipe.model_structure import LoraTargets, fused_expert_parameters, lora_targets_of
 
 
 def attention_implementation(model_args: ModelArguments) -> str | None:
@@ -63,55 +53,10 @@ def attention_note(model) -> str:
     return f"attention: {used} for {type(model).__name__} ({why})"
 
 
-def fused_expert_parameters(model) -> list[str]:
-    """Names of fused MoE expert parameters (3-D: experts x out x in), e.g. `...mlp.experts.gate_up_proj`."""
-    return [name for name, param in model.named_parameters() if param.dim() == 3]
-
-
-def text_decoder_prefix(model) -> str:
-    """Module-name prefix of a multimodal model's language part ("" for a text-only model): where the text config
-    lives (`config.get_text_config()`), found as the module that does not belong to a vision/audio part."""
-    if model.config.get_text_config() is model.config:
-        return ""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    for name, module in model.named_modules():
-        if module is decoder:
-            return name
-    return ""
-
-
-def _router_names(model) -> set[str]:
-    """nn.Linear children of a block that also holds fused experts: the routers (and shared-expert gates)."""
-    routers = set()
-    for name, module in model.named_modules():
-        if any(p.dim() == 3 for p in module.parameters(recurse=True)) and hasattr(module, "experts"):
-            for child_name, child in module.named_children():
-                if isinstance(child, torch.nn.Linear):
-                    routers.add(f"{name}.{child_name}")
-    return routers
-
-
-def lora_targets(model_args: ModelArguments, trust_remote_code: bool = False) -> str | list[str]:
-    """`target_modules` for the LoRA config: the flag's list, or what `all-linear` means for this model (see the
-    module docstring): "all-linear" itself where PEFT's rule is right, else the explicit module names or pattern."""
-    value = model_args.lora_target_modules.strip()
-    if value != "all-linear":
-        return [m.strip() for m in value.split(",") if m.strip()]
-    if not model_args.model_name_or_path:
-        return value
-    model = _meta(model_args.model_name_or_path, trust_remote_code)
-    prefix = text_decoder_prefix(model)
-    if not prefix and not fused_expert_parameters(model):
-        return value
-    head = model.get_output_embeddings()
-    routers = _router_names(model)
-    leaves = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                     if isinstance(module, torch.nn.Linear) and module is not head and name not in routers
-                     and name.startswith(prefix) and not any(part in name.split(".") for part in NON_TEXT_PARTS)})
-    if not prefix:
-        return leaves
-    # A full-match pattern (PEFT's rule for a string): the linears of the language model only.
-    return rf"{re.escape(prefix)}\..*\.({'|'.join(leaves)})"
+def lora_targets(model_args: ModelArguments, trust_remote_code: bool = False) -> LoraTargets:
+    """What --lora_target_modules means for this model (sft_recipe/model_structure.py): `.target_modules` is what
+    LoraConfig gets, `.note()` what all-linear leaves out and why."""
+    return lora_targets_of(model_args.lora_target_modules, model_args.model_name_or_path, trust_remote_code)
 
 
 def lora_target_parameters(model_args: ModelArguments) -> list[str] | None:
@@ -123,10 +68,12 @@ def lora_target_parameters(model_args: ModelArguments) -> list[str] | None:
 def target_parameter_problems(model_args: ModelArguments, trust_remote_code: bool = False) -> list[str]:
     """--lora_target_parameters: each name must end a fused parameter of the model; PEFT 0.21's ParamWrapper
     applies no dropout, so --lora_dropout must be 0 with it."""
-    names = lora_target_parameters(model_args)
-    if not names or not model_args.use_peft_lora:
+    if not model_args.use_peft_lora:
         return []
-    problems = []
+    problems = rewritten_target_problems(model_args, trust_remote_code)
+    names = lora_target_parameters(model_args)
+    if not names:
+        return problems
     if model_args.lora_dropout != 0:
         problems.append(f"--lora_target_parameters {','.join(names)} with --lora_dropout {model_args.lora_dropout}: "
                         "PEFT 0.21 adapts fused expert weights through ParamWrapper, which has no dropout and refuses "
@@ -143,6 +90,21 @@ def target_parameter_problems(model_args: ModelArguments, trust_remote_code: boo
         problems.append(f"--lora_target_parameters: {unknown} name no fused expert parameter of "
                         f"{model_args.model_name_or_path}. Fix: names such as {examples}, or leave it empty.")
     return problems
+
+
+def rewritten_target_problems(model_args: ModelArguments, trust_remote_code: bool = False) -> list[str]:
+    """Names in --lora_target_modules that PEFT 0.21 turns into fused routed-expert parameters for this model type
+    (transformers-4 expert names such as gate_proj on DeepSeek-V3), which then refuse a dropout."""
+    try:
+        rewritten = lora_targets(model_args, trust_remote_code).rewritten
+    except Exception:  # the model path is checked and named elsewhere
+        return []
+    if not rewritten or model_args.lora_dropout == 0:
+        return []
+    return [f"--lora_target_modules {model_args.lora_target_modules}: PEFT 0.21 reads {', '.join(rewritten)} as this "
+            "model's routed experts (its fused parameters, the transformers-4 names) and adapts them through "
+            f"ParamWrapper, which refuses --lora_dropout {model_args.lora_dropout}. Fix: --lora_target_modules "
+            "all-linear (attention and the other projections), or --lora_dropout 0 to train the experts."]
 
 
 def architecture_problems(model_args: ModelArguments, trust_remote_code: bool = False, launch=None) -> list[str]:

@@ -52,27 +52,22 @@ class FlopsModel:
         return float(dense + attention)
 
 
-def active_expert_fraction(config) -> float:
-    """Of a mixture-of-experts layer's expert weights, the fraction each token multiplies: top-k / experts
-    (Mixtral: 2 of 8; Qwen3-MoE: 8 of 128); 1 for a dense model."""
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    top_k = getattr(config, "num_experts_per_tok", None)
-    return top_k / experts if experts and top_k else 1.0
-
-
 def count_params(model) -> tuple[int, int]:
     """(weights each token multiplies, trainable) as the model's user sees them: 4-bit packed weights count their real
-    element count; fused MoE expert weights (3-D: experts x out x in) count their active fraction, since only the
-    routed experts run for a token (the memory plan counts all of them: they are all held)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    active = active_expert_fraction(config)
+    element count; routed experts (fused or listed, found from the structure: sft_recipe/model_structure.py) count
+    their active fraction top-k / experts, since only the routed experts run for a token; shared experts, dense
+    layers and routers count whole (the memory plan counts every expert: they are all held)."""
+    from sft_recipe.model_structure import active_expert_fraction, routed_expert_parameter_ids
+
+    active = active_expert_fraction(model)
+    routed = routed_expert_parameter_ids(model) if active < 1 else set()
     total = trainable = 0
     for p in model.parameters():
         numel = p.numel()
         quant_state = getattr(p, "quant_state", None)
         if quant_state is not None and getattr(quant_state, "shape", None) is not None:
             numel = int(torch.Size(quant_state.shape).numel())
-        if p.dim() == 3:
+        if id(p) in routed:
             numel = int(numel * active)
         total += numel
         trainable += numel if p.requires_grad else 0

@@ -7,14 +7,15 @@ import importlib.util
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
 from sft_recipe.compat import keep_present_no_split_modules, quantized_base_device_map
 from sft_recipe.config.args import ModelArguments
+from sft_recipe.config.dtypes import model_dtype
+from sft_recipe.data.chat_templates import CHAT_FORMATS, PAD_TOKEN
 from sft_recipe.measure import live_tensor_mib, quant_state_tensors
-from sft_recipe.model_shape import DTYPES, checkpoint_dtype, read_config
+from sft_recipe.model_shape import DTYPES, read_config
 from sft_recipe.train.architecture import (
     attention_implementation,
     attention_note,
@@ -24,42 +25,6 @@ from sft_recipe.train.architecture import (
 )
 
 logger = logging.getLogger(__name__)
-
-# Our own Jinja templates. Assistant turns are wrapped in {% generation %} so TRL's assistant-only loss can find them.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
-    "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}"
-    "{{ '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-ZEPHYR_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' }}"
-    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
-    "{% else %}{{ message['content'] + eos_token }}{% endif %}"
-    "{{ '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
-)
-
-
-@dataclass(frozen=True)
-class ChatFormat:
-    template: str
-    extra_special_tokens: tuple[str, ...]
-    eos_token: str | None  # None: keep the tokenizer's
-
-
-CHAT_FORMATS = {
-    # chatml ends a turn with <|im_end|>, so it becomes EOS: generation then stops at the end of the answer.
-    "chatml": ChatFormat(CHATML_TEMPLATE, ("<|im_start|>", "<|im_end|>"), "<|im_end|>"),
-    "zephyr": ChatFormat(ZEPHYR_TEMPLATE, ("<|user|>", "<|assistant|>", "<|system|>"), None),
-}
-PAD_TOKEN = "<pad>"
-
 
 def load_tokenizer(model_args: ModelArguments, trust_remote_code: bool = False):
     """Load the tokenizer; for chatml/zephyr add the format's special tokens and template.
@@ -103,20 +68,6 @@ def bnb_config(model_args: ModelArguments):
         bnb_4bit_use_double_quant=model_args.use_nested_quant,
         bnb_4bit_quant_storage=DTYPES[model_args.bnb_4bit_quant_storage_dtype],
     )
-
-
-def model_dtype(model_args: ModelArguments) -> torch.dtype:
-    """The dtype the base's weights are loaded in. 4-bit with a float storage dtype loads in that dtype (the guide's
-    rule: FSDP flattens parameters of one dtype, so the packed 4-bit storage must match the rest of the model);
-    otherwise `--torch_dtype` as parse_args resolved it (args.default_torch_dtype: bfloat16 for LoRA under bf16 mixed
-    precision, else float32, upstream's), "auto" being the checkpoint's own dtype. LoRA weights and their optimizer
-    state stay fp32 whatever the base's dtype."""
-    storage = DTYPES[model_args.bnb_4bit_quant_storage_dtype]
-    if model_args.use_4bit_quantization and storage.is_floating_point:
-        return storage
-    if model_args.torch_dtype == "auto":
-        return checkpoint_dtype(model_args.model_name_or_path)
-    return DTYPES.get(model_args.torch_dtype or "float32", torch.float32)
 
 
 def attention_kwargs(model_args: ModelArguments) -> dict:
@@ -283,13 +234,6 @@ def fit_embeddings_to_tokenizer(model, tokenizer) -> bool:
     return True
 
 
-def lora_target_modules(model_args: ModelArguments) -> str | list[str]:
-    value = model_args.lora_target_modules.strip()
-    if value == "all-linear":
-        return value
-    return [m.strip() for m in value.split(",") if m.strip()]
-
-
 def added_token_ids(model_args: ModelArguments, tokenizer, trust_remote_code: bool = False) -> list[int]:
     """Ids the tokenizer has beyond the base model's vocabulary (chatml/zephyr tokens, <pad>): rows that start
     random and that only training can make useful. Read from the model config; no weights are loaded."""
@@ -333,7 +277,7 @@ def lora_config(model_args: ModelArguments, new_token_ids: list[int] | None = No
         r=model_args.lora_r,
         lora_alpha=model_args.lora_alpha,
         lora_dropout=model_args.lora_dropout,
-        target_modules=lora_targets(model_args, trust_remote_code),  # what all-linear means for this family
+        target_modules=lora_targets(model_args, trust_remote_code).target_modules,  # all-linear, for this family
         target_parameters=lora_target_parameters(model_args),
         use_dora=model_args.use_dora,
         modules_to_save=modules_to_save,

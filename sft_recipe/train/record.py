@@ -207,7 +207,7 @@ class RunRecord(TrainerCallback):
         self.set("memory", peak_memory_gib_per_rank=[round(float(x), 3) for x in peaks[:, 0]],
                  peak_memory_kind="cuda max_memory_allocated" if torch.cuda.is_available() else "process RSS")
         if self.trainer.accelerator.is_main_process:
-            from sft_recipe.artifacts.state_io import write_atomically
+            from sft_recipe.atomic import write_atomically
 
             Path(output_dir).mkdir(parents=True, exist_ok=True)
             text = json.dumps(self.record, indent=2)

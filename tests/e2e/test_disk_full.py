@@ -25,9 +25,9 @@ import pytest
 
 from sft_recipe.artifacts.checkpoints import COMPLETE_MARKER, checkpoint_damage, intact_checkpoints, resolve_resume
 from sft_recipe.artifacts.disk_full import folder_bytes
-from sft_recipe.artifacts.disk_space import estimate_writes
 from sft_recipe.config.args import parse_args
 from sft_recipe.config.launch_env import LaunchEnv
+from sft_recipe.preflight.disk_space import estimate_writes
 from tests.helpers import launch_script, launch_train, run_command
 
 FLAGS = ["--use_peft_lora", "True", "--lora_target_modules", "all-linear", "--lora_r", "8", "--lora_alpha", "16",

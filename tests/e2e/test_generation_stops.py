@@ -29,7 +29,7 @@ import torch
 
 from sft_recipe.artifacts.checkpoints import checkpoint_damage, checkpoints, read_marker
 from sft_recipe.artifacts.generation import GENERATION_CONFIG, MODEL_CARD
-from sft_recipe.train.model import CHAT_FORMATS
+from sft_recipe.data.chat_templates import CHAT_FORMATS
 from tests.helpers import TRAIN_FLAGS, launch_env, launch_train, run_command
 
 MAX_NEW_TOKENS = 24  # the answers are ~8 tokens ("The opposite of hot is cold."): room to see a run-on

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
 from sft_recipe.config.args import ModelArguments
 from sft_recipe.model_shape import meta_model
+from sft_recipe.model_structure import fused_expert_parameters
 from sft_recipe.train import architecture
 from sft_recipe.train.model import attention_kwargs, materialize_meta_parameters
 
@@ -40,7 +39,7 @@ def test_flash_attention_on_a_class_without_it_is_refused_up_front(family_model)
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "phi3", "gpt-neox"])
 def test_all_linear_stays_peft_all_linear_where_peft_is_right(family_model, family):
-    assert architecture.lora_targets(_args(family_model(family))) == "all-linear"
+    assert architecture.lora_targets(_args(family_model(family))).target_modules == "all-linear"
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3-moe"])
@@ -48,9 +47,9 @@ def test_all_linear_on_moe_is_attention_and_shared_projections_never_experts_or_
     from peft import LoraConfig, get_peft_model
 
     path = family_model(family)
-    targets = architecture.lora_targets(_args(path))
+    targets = architecture.lora_targets(_args(path)).target_modules
     assert targets == ["k_proj", "o_proj", "q_proj", "v_proj"]
-    assert architecture.fused_expert_parameters(meta_model(str(path)))  # the experts are there, as 3-D parameters
+    assert fused_expert_parameters(meta_model(str(path)))  # the experts are there, as 3-D parameters
     # With the guide's dropout, PEFT's own all-linear raises on this model; the resolved targets do not.
     from transformers import AutoModelForCausalLM
 
@@ -78,10 +77,14 @@ def test_experts_are_adapted_only_when_named_and_with_dropout_zero(family_model)
 
 def test_a_multimodal_checkpoint_adapts_its_language_model_only(family_model):
     path = family_model("gemma3-multimodal")
-    pattern = architecture.lora_targets(_args(path))
+    from peft import LoraConfig, get_peft_model
+
+    targets = architecture.lora_targets(_args(path)).target_modules
     model = meta_model(str(path))
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    chosen = [n for n in linears if re.fullmatch(pattern, n)]
+    peft_model = get_peft_model(meta_model(str(path)), LoraConfig(target_modules=targets))
+    chosen = [n.removeprefix("base_model.model.").removesuffix(".base_layer") for n, _ in peft_model.named_modules()
+              if n.endswith(".base_layer")]
     assert chosen and all("language_model" in n for n in chosen)
     assert any("vision_tower" in n for n in linears)  # there was a vision tower to leave alone
     assert len(chosen) == 2 * 7  # 2 decoder layers x q,k,v,o,gate,up,down
@@ -106,18 +109,20 @@ def test_a_nested_text_config_saves_the_resized_vocabulary(family_model):
         model = AutoModelForCausalLM.from_pretrained(str(path))
         rows = model.get_input_embeddings().weight.shape[0]
         model.resize_token_embeddings(rows + 3, mean_resizing=False)
-        peft_model = get_peft_model(model, LoraConfig(target_modules=architecture.lora_targets(_args(path))))
+        peft_model = get_peft_model(model, LoraConfig(
+            target_modules=architecture.lora_targets(_args(path)).target_modules))
         assert save_embedding_layers_for(peft_model) == expected  # "auto": PEFT's own rule already sees it
 
 
 @pytest.mark.parametrize("family", ["llama-tied", "gemma2", "gemma3-multimodal", "mixtral", "qwen3-moe", "gpt-neox",
-                                    "phi3"])
+                                    "phi3", "deepseek-v3"])
 def test_the_plan_reads_each_familys_shape_from_its_config(family_model, family):
     """Nested text configs, head_dim != hidden/heads, fused experts and non-Llama layouts are counted as built."""
     from transformers import AutoModelForCausalLM
 
+    from sft_recipe.model_structure import active_expert_fraction
     from sft_recipe.plan import model_shape
-    from sft_recipe.train.flops import active_expert_fraction, count_params
+    from sft_recipe.train.flops import count_params
 
     path = family_model(family)
     shape = model_shape(str(path))
@@ -129,10 +134,10 @@ def test_the_plan_reads_each_familys_shape_from_its_config(family_model, family)
     assert shape.head_dim == head_dim and shape.kv_width == text.num_key_value_heads * head_dim
     total, _ = count_params(model)  # FLOPs per token: only the routed experts' weights
     experts = sum(p.numel() for p in model.parameters() if p.dim() == 3)
-    assert total == pytest.approx(shape.total_params - experts * (1 - active_expert_fraction(text)), abs=len(
+    assert total == pytest.approx(shape.total_params - experts * (1 - active_expert_fraction(model)), abs=len(
         [p for p in model.parameters() if p.dim() == 3]))
-    if family in ("mixtral", "qwen3-moe"):
-        assert experts and active_expert_fraction(text) == 0.5  # 2 of 4 experts per token
+    if family in ("mixtral", "qwen3-moe", "deepseek-v3"):
+        assert experts and active_expert_fraction(model) == 0.5  # 2 of 4 experts per token
 
 
 def test_a_tied_embedding_trained_in_full_stays_tied_and_fsdp2_efficient_loading_is_refused(family_model):

@@ -30,7 +30,7 @@ from sft_recipe.artifacts.checkpoints import (
 from sft_recipe.artifacts.resume_match import resume_mismatch_problems, run_identity, tokenizer_size_problems
 from sft_recipe.artifacts.state_io import save_optimizer, save_rng_state
 from sft_recipe.config.args import ConfigError, parse_args
-from sft_recipe.config.validate import validate
+from sft_recipe.preflight.validate import validate
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from sft_recipe.artifacts.checkpoints import (
     resolve_resume,
 )
 from sft_recipe.config.args import ConfigError, parse_args
-from sft_recipe.config.validate import validate
+from sft_recipe.preflight.validate import validate
 
 
 def _checkpoint(root, step, complete=True):
@@ -43,11 +43,11 @@ def test_resume_problems_name_the_fix(tmp_path):
 def test_marker_is_written_whole(tmp_path):
     mark_complete(tmp_path, 7)
     assert (tmp_path / COMPLETE_MARKER).read_text().startswith('{"global_step": 7')
-    assert not list(tmp_path.glob(".*.writing-*"))  # the atomic writer's temporary name (state_io.write_atomically)
+    assert not list(tmp_path.glob(".*.writing-*"))  # sft_recipe.atomic.write_atomically's temporary name
 
 
 def test_an_interrupted_write_leaves_the_previous_file_whole(tmp_path):
-    from sft_recipe.artifacts.state_io import write_atomically
+    from sft_recipe.atomic import write_atomically
 
     target = tmp_path / "scheduler.json"
     target.write_text("previous")

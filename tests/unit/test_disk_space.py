@@ -20,9 +20,9 @@ import pytest
 
 from sft_recipe.artifacts.checkpoints import COMPLETE_MARKER, intact_checkpoints, resolve_resume
 from sft_recipe.artifacts.disk_full import DISK_FULL_EXIT_CODE, DiskFull, folder_bytes, guarded_save, is_disk_full
-from sft_recipe.artifacts.disk_space import disk_space_problems, estimate_writes
 from sft_recipe.config.args import parse_args
 from sft_recipe.config.launch_env import LaunchEnv
+from sft_recipe.preflight.disk_space import disk_space_problems, estimate_writes
 from tests.helpers import run_train_in_process
 
 FLAGS = ["--use_peft_lora", "True", "--lora_target_modules", "all-linear", "--lora_r", "8", "--lora_alpha", "16",
@@ -123,7 +123,7 @@ def test_refuse_warn_or_pass_by_free_space(tiny, tmp_path, monkeypatch, caplog):
     free = 3 * estimate.checkpoint_bytes + estimate.adapter_bytes // 2  # the first fits, not all six: warned
     _fake_free(monkeypatch, free)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="sft_recipe.artifacts.disk_space"):
+    with caplog.at_level(logging.WARNING, logger="sft_recipe.preflight.disk_space"):
         assert disk_space_problems(m, d, t, launch) == []
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     limit = estimate.limit_that_fits(free)
@@ -134,13 +134,13 @@ def test_refuse_warn_or_pass_by_free_space(tiny, tmp_path, monkeypatch, caplog):
     # The suggested limit passes, silently (negative control for the warning).
     m2, d2, _, t2 = parse_args([*argv, "--save_total_limit", str(limit)], launch)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="sft_recipe.artifacts.disk_space"):
+    with caplog.at_level(logging.WARNING, logger="sft_recipe.preflight.disk_space"):
         assert disk_space_problems(m2, d2, t2, launch) == []
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
     _fake_free(monkeypatch, peak)  # everything fits: nothing said
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="sft_recipe.artifacts.disk_space"):
+    with caplog.at_level(logging.WARNING, logger="sft_recipe.preflight.disk_space"):
         assert disk_space_problems(m, d, t, launch) == []
     assert not caplog.records
 

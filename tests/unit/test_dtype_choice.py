@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sft_recipe.config.args import ModelArguments, default_torch_dtype
-from sft_recipe.config.load_checks import dtype_problems
-from sft_recipe.train.model import model_dtype
+from sft_recipe.config.dtypes import model_dtype
+from sft_recipe.preflight.load_checks import dtype_problems
 from sft_recipe.train.trainer import upcast_trainable_half_params
 
 BF16, FP16, FP32 = (SimpleNamespace(bf16=True, fp16=False), SimpleNamespace(bf16=False, fp16=True),

@@ -25,7 +25,8 @@ from sft_recipe.artifacts.generation import (
     write_generation_config,
 )
 from sft_recipe.config.args import ModelArguments
-from sft_recipe.train.model import CHAT_FORMATS, load_tokenizer
+from sft_recipe.data.chat_templates import CHAT_FORMATS
+from sft_recipe.train.model import load_tokenizer
 
 FORMATS = ("chatml", "zephyr", "none")
 

@@ -89,7 +89,7 @@ def test_the_finder_sees_a_circle_made_of_lazy_imports():
 
 def test_the_library_has_no_import_circle():
     graph = import_graph()
-    assert len(graph) > 50 and graph["sft_recipe.config.validate"]  # the graph was read, edges included
+    assert len(graph) > 50 and graph["sft_recipe.preflight.validate"]  # the graph was read, edges included
     assert circles(graph) == []
 
 
@@ -97,3 +97,45 @@ def test_the_error_type_and_the_model_shape_stand_on_the_ground_floor():
     graph = import_graph()
     assert graph["sft_recipe.errors"] == set() and graph["sft_recipe.model_shape"] == set()
     assert "sft_recipe.config.args" not in graph["sft_recipe.config.launch_env"]
+
+
+# The floors, lowest first; a module may import its own floor or any below, never one above (a circle within a
+# floor is the test above's). Ground: what every room uses, knowing nothing of the rooms.
+FLOORS = [
+    ("ground", {"errors", "model_shape", "model_structure", "atomic", "logs", "measure", "scoring", "compat",
+                "adapters_fsdp2"}),
+    ("settings", {"config"}),
+    ("data", {"data"}),
+    ("plan", {"plan"}),
+    ("artifacts", {"artifacts"}),
+    ("train", {"train"}),
+    ("preflight", {"preflight"}),
+    ("tools", {"merge", "merge_checks", "evaluate", "tiny"}),
+]
+
+
+def floor_of(module: str) -> int:
+    parts = module.split(".")
+    room = parts[1] if len(parts) > 1 else ""
+    for number, (_, rooms) in enumerate(FLOORS):
+        if room in rooms:
+            return number
+    if module == "sft_recipe":
+        return 0
+    raise AssertionError(f"{module}: on no floor; add its package to FLOORS")
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if floor_of(b) > floor_of(a))
+
+
+def test_the_finder_sees_an_arrow_running_up():
+    assert upward_arrows({"sft_recipe.config.args": {"sft_recipe.train.model"}, "sft_recipe.train.model": set()}) \
+        == ["sft_recipe.config.args -> sft_recipe.train.model"]
+    assert upward_arrows({"sft_recipe.train.model": {"sft_recipe.config.args"}, "sft_recipe.config.args": set()}) == []
+
+
+def test_no_import_runs_up_a_floor():
+    graph = import_graph()
+    assert {floor_of(m) for m in graph} == set(range(len(FLOORS)))  # every floor is inhabited, every module placed
+    assert upward_arrows(graph) == []

@@ -94,7 +94,7 @@ def test_train_py_exits_2_on_an_unreadable_launcher_variable(tmp_path):
 
 def test_a_missing_model_names_the_flag_and_the_demo_recipe(tmp_path):
     from sft_recipe.config.args import parse_args
-    from sft_recipe.config.validate import validate
+    from sft_recipe.preflight.validate import validate
 
     with pytest.raises(ConfigError) as e:
         validate(*parse_args(["--output_dir", str(tmp_path / "o")]), LaunchEnv())

@@ -5,7 +5,8 @@ import torch
 
 from sft_recipe.compat import strip_wrapper_segments
 from sft_recipe.config.args import ModelArguments
-from sft_recipe.train.model import bnb_config, fit_embeddings_to_tokenizer, load_tokenizer, lora_config, model_dtype
+from sft_recipe.config.dtypes import model_dtype
+from sft_recipe.train.model import bnb_config, fit_embeddings_to_tokenizer, load_tokenizer, lora_config
 
 MESSAGES = [{"role": "user", "content": "What is the opposite of hot?"},
             {"role": "assistant", "content": "The opposite of hot is cold."}]

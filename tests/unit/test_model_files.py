@@ -14,7 +14,7 @@ import struct
 import pytest
 
 from sft_recipe.config.args import ConfigError, parse_args
-from sft_recipe.config.validate import validate
+from sft_recipe.preflight.validate import validate
 from tests.helpers import GUIDE_LORA
 from tests.helpers import run_train_in_process as run_train
 

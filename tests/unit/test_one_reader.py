@@ -86,9 +86,9 @@ def test_loading_the_plan_and_merge_read_the_dtype_the_same_way(tiny, tmp_path):
     import shutil
 
     from sft_recipe.config.args import parse_args
+    from sft_recipe.config.dtypes import model_dtype
     from sft_recipe.merge import _merge_dtype
     from sft_recipe.plan.shape import model_shape as plan_shape
-    from sft_recipe.train.model import model_dtype
 
     folder = tmp_path / "bf16-base"
     shutil.copytree(tiny.model_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))

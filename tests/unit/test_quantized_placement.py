@@ -197,7 +197,7 @@ def guide_qlora():
 
 
 def test_zero3_qlora_is_refused_where_the_whole_quantized_base_does_not_fit_a_gpu(guide_qlora, caplog):
-    from sft_recipe.config.load_checks import quantized_base_bytes, zero3_quantized_load_problems
+    from sft_recipe.preflight.load_checks import quantized_base_bytes, zero3_quantized_load_problems
 
     m, d, _, t = guide_qlora
     whole = quantized_base_bytes(m, d, t)
@@ -213,7 +213,7 @@ def test_zero3_qlora_is_refused_where_the_whole_quantized_base_does_not_fit_a_gp
 
 
 def test_the_zero3_check_leaves_other_launches_alone(guide_qlora, monkeypatch):
-    from sft_recipe.config import load_checks
+    from sft_recipe.preflight import load_checks
 
     m, d, _, t = guide_qlora
     assert load_checks.zero3_quantized_load_problems(m, d, t, FSDP2, gpu_bytes=1) == []  # FSDP: loaded on the CPU
@@ -227,9 +227,9 @@ def test_the_zero3_check_leaves_other_launches_alone(guide_qlora, monkeypatch):
 
 def test_validate_refuses_zero3_qlora_on_a_small_gpu_before_loading(guide_qlora, monkeypatch):
     """Through the whole-config check, which runs before any weight is read."""
-    from sft_recipe.config import load_checks
     from sft_recipe.config.args import ConfigError
-    from sft_recipe.config.validate import validate
+    from sft_recipe.preflight import load_checks
+    from sft_recipe.preflight.validate import validate
 
     m, d, r, t = guide_qlora
     monkeypatch.setattr(load_checks, "gpu_memory_bytes", lambda launch: 24 * 2**30)

@@ -13,7 +13,7 @@ from datasets import Dataset, DatasetDict
 
 from sft_recipe.config.args import ConfigError, DataTrainingArguments, ModelArguments, parse_args
 from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
-from sft_recipe.config.trainer_checks import fsdp_plugin_problems, trainer_problems
+from sft_recipe.preflight.trainer_checks import fsdp_plugin_problems, trainer_problems
 from tests.helpers import run_train_in_process
 
 FSDP1 = {"ACCELERATE_USE_FSDP": "true", "ACCELERATE_USE_CPU": "true", "FSDP_VERSION": "1"}

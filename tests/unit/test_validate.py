@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from sft_recipe.config.args import ConfigError, parse_args
-from sft_recipe.config.validate import validate
+from sft_recipe.preflight.validate import validate
 from tests.helpers import REPO, launch_env
 
 
@@ -119,7 +119,7 @@ def test_each_mistake_is_named_with_its_fix(good, name, monkeypatch):
 
 
 def test_more_processes_than_gpus(good, monkeypatch):
-    import sft_recipe.config.validate as v
+    import sft_recipe.preflight.validate as v
 
     monkeypatch.setattr(v, "torch_cuda_count", lambda: 2)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")

@@ -25,7 +25,7 @@ library function that raises, in the pinned versions (transformers 5.24, TRL 1.1
   embedding resize) and dataset_kwargs skip_prepare_dataset (untokenized rows reach the collator).
 - --assistant_only_loss (`SFTTrainer.__init__` -> `get_training_chat_template`, ValueError; `_prepare_dataset`'s
   tokenize_fn, RuntimeError "at least one example has no assistant tokens"): checked in the data step, which holds
-  the tokenizer (`assistant_only_loss_template`, `assistant_tokens_problem`, called by sft_recipe/data/).
+  the tokenizer (sft_recipe/data/chat_templates.py: `assistant_only_loss_template`, `assistant_tokens_problem`).
 - --max_seq_len beyond the model's positions: refused where positions are a learned embedding (GPT-2 style: indexing
   past its rows fails in the first forward), warned for RoPE (it runs; quality past the trained length degrades).
 """
@@ -336,42 +336,3 @@ def trainer_problems(m, t, launch: LaunchEnv) -> list[str]:
         problems += quantized_checkpoint_problems(m, config) + router_problems(t, config)
         problems += position_problems(m, t, config)
     return problems
-
-
-# --- the data step (it holds the tokenizer): --assistant_only_loss --------------------------------------------------
-
-def assistant_only_loss_template(tokenizer) -> tuple[str | None, list[str]]:
-    """(the chat template TRL 1.16 will render with instead of the tokenizer's, None for the tokenizer's own;
-    problems). As SFTTrainer.__init__ decides: a template with {% generation %} markers is used as it is; otherwise
-    `get_training_chat_template` returns TRL's training version of a template it knows, or raises."""
-    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
-
-    if tokenizer.chat_template and has_generation_markers(tokenizer.chat_template):
-        return None, []
-    try:
-        return get_training_chat_template(tokenizer), []
-    except Exception as e:  # ValueError for a template TRL has no training version of
-        first = (str(e).splitlines()[0] if str(e) else type(e).__name__).rstrip(".")
-        return None, ["--assistant_only_loss True: the tokenizer's chat template has no {% generation %} markers, "
-                      "so TRL cannot tell assistant tokens apart, and TRL 1.16 has no training version of this "
-                      f"template (get_training_chat_template: {first}). Fix: --chat_template_format chatml (or "
-                      "zephyr), whose templates mark assistant turns; or a template that wraps each assistant "
-                      "answer in {% generation %}...{% endgeneration %}."]
-
-
-def assistant_tokens_problem(messages: list[dict], tokenizer, chat_template: str | None) -> str | None:
-    """Why TRL 1.16 would find no assistant token in this conversation (its tokenize_fn raises RuntimeError "at least
-    one example has no assistant tokens"), or None. The template marks assistant text with {% generation %}; a token
-    is in TRL's mask when it overlaps a marked span, so a non-empty span is a masked token. Rendered, not tokenized."""
-    from transformers.utils.chat_template_utils import render_jinja_template
-
-    template = tokenizer.get_chat_template(chat_template)
-    try:
-        _, spans = render_jinja_template(conversations=[messages], chat_template=template,
-                                         return_assistant_tokens_mask=True, **tokenizer.special_tokens_map)
-    except Exception:  # render_problem reports template errors; this check has nothing to add
-        return None
-    if any(end > start for start, end in spans[0]):
-        return None
-    return ("no assistant tokens: the chat template marks nothing of it with {% generation %} (an empty assistant "
-            "answer?), and with --assistant_only_loss True TRL 1.16 stops at such a row")

@@ -8,13 +8,13 @@ from pathlib import Path
 
 from sft_recipe.artifacts.checkpoints import previous_results, resolve_resume, resume_layout_problems
 from sft_recipe.config.args import DataTrainingArguments, ModelArguments, RecipeArguments
-from sft_recipe.config.file_checks import config_file_problems, file_problems
 from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
 from sft_recipe.config.optional_deps import bitsandbytes_optimizers, optional_dependency_problems
-from sft_recipe.config.trainer_checks import trainer_problems
 from sft_recipe.data.prepare import locate_splits
 from sft_recipe.errors import ConfigError
 from sft_recipe.model_shape import linear_module_names, module_names
+from sft_recipe.preflight.file_checks import config_file_problems, file_problems
+from sft_recipe.preflight.trainer_checks import trainer_problems
 from sft_recipe.train.model import DTYPES, flash_attn_problem
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
@@ -317,7 +317,7 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,
     """Raise ConfigError listing every problem in the configuration and the launcher's settings (`launch`: read from
     this process when not given); cheap, loads no weights."""
     launch = read_launch_env() if launch is None else launch
-    from sft_recipe.config.load_checks import dtype_problems
+    from sft_recipe.preflight.load_checks import dtype_problems
 
     problems = _model_problems(m, t, launch) + _adapter_variant_problems(m, t, launch) + dtype_problems(m, t)
     problems += _training_problems(m, d, r, t, launch)
@@ -337,7 +337,7 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,
                         ".tiny`).")
     problems += config_file_problems(m)  # a local folder's config.json readable: the checks below read it
     if not any("--model_name_or_path" in p for p in problems):
-        from sft_recipe.config.load_checks import zero3_quantized_load_problems
+        from sft_recipe.preflight.load_checks import zero3_quantized_load_problems
         from sft_recipe.train.architecture import architecture_problems
         from sft_recipe.train.gptq import gptq_problems
 
@@ -346,7 +346,7 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,
         problems += gptq_problems(m, t, launch)
         problems += zero3_quantized_load_problems(m, d, t, launch)  # needs the model's config
         problems += architecture_problems(m, t.trust_remote_code, launch)  # what this family allows
-        from sft_recipe.artifacts.disk_space import disk_space_problems
+        from sft_recipe.preflight.disk_space import disk_space_problems
 
         problems += disk_space_problems(m, d, t, launch)  # the first save fits on output_dir's disk (warns: all)
     if problems:
