@@ -1,42 +1,26 @@
 """Optional packages that a setting implies, checked before any weight loads, as the pinned libraries decide them.
 
 Every setting that pulls in an optional package ends in one function of transformers, accelerate or torch: the
-handler transformers dispatches `--optim` to (`trainer_optimizer._OPTIMIZER_HANDLERS`), the callback class a
-`--report_to` name maps to (`INTEGRATION_TO_CALLBACK`), `apply_liger_kernel`, the bitsandbytes quantizers, the backend
-torch's registry returns for `--torch_compile_backend`, accelerate's DeepSpeed launcher. That function checks its
-package itself and raises when it is missing -- after the model has loaded. Here each one's checks are read from the
-function (sft_recipe/config/library_gates.py) and run first, so a value a future transformers adds is covered without
-editing this file; tests/unit/test_optional_deps.py fails when a value the pinned libraries accept is neither checked
-nor listed as needing nothing. docs/integrations.md says what works with LoRA/QLoRA under each engine.
+handler transformers dispatches `--optim` to, the callback class a `--report_to` name maps to, `apply_liger_kernel`,
+the bitsandbytes quantizers, the backend torch's registry returns for `--torch_compile_backend`, accelerate's DeepSpeed
+launcher. That function checks its package itself and raises when it is missing -- after the model has loaded. The
+declared table (sft_recipe/config/packages.py) says, per setting and value, which package, version and install line,
+and which helper of the library decides; here each missing one becomes the user's message, before anything loads.
+tests/unit/test_package_table.py fails when a value the pinned libraries accept is in neither the table nor its
+"needs nothing" lists, or when the table and the libraries' helpers disagree. docs/integrations.md says what works
+with LoRA/QLoRA under each engine.
 """
 
 from __future__ import annotations
 
 import sys
 
-from sft_recipe.config.library_gates import Gate, checks_text, fix_text, library_gate, needs_text, version_of
+from sft_recipe.config import packages
+from sft_recipe.config.packages import COMPILE_BACKENDS_TORCH_LACKS, checks_text, fix_text, needs_text, version_of
 
-# Optimizers whose transformers handler imports nothing beyond torch and transformers itself.
-OPTIMIZERS_NEEDING_NOTHING = frozenset({"adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop"})
 SAFE_OPTIMIZER = "adamw_torch"  # the fix offered for an optimizer whose package is missing
 
-# `--torch_compile_backend` values accelerate 1.15 accepts but torch 2.13 does not register by itself: what provides
-# each (torch registers a backend when its package is imported or declares the entry point). Checked against
-# accelerate's DynamoBackend by the tests: a new value there must be registered by torch or listed here.
-COMPILE_BACKEND_PROVIDERS = {  # name: (why torch lacks it here, the pip package that registers it or "")
-    "tensorrt": ("it comes with the torch-tensorrt package, for NVIDIA GPUs", "torch-tensorrt"),
-    "fx2trt": ("it came with torch-tensorrt's retired FX path", ""),
-    "onnxrt": ("torch no longer ships it; onnxruntime provides its own torch.compile backend", ""),
-    "aot_torchxla_trace_once": ("torch_xla now registers its backend as openxla, on TPU/XLA machines", ""),
-    "torchxla_trace_once": ("torch_xla now registers its backend as openxla_eval, on TPU/XLA machines", ""),
-    "hpu_backend": ("it comes with Intel Gaudi's habana_frameworks, on HPU machines only", ""),
-    "neuron": ("it comes with AWS Neuron's torch-neuronx, on Trainium/Inferentia only", ""),
-    "aot_ts_nvfuser": ("torch removed nvFuser's TorchScript backend", ""),
-    "nvprims_nvfuser": ("torch removed nvFuser's PrimTorch backend", ""),
-    "ofi": ("torch no longer registers optimize_for_inference as a backend", ""),
-}
-
-# --- the tables, read from the pinned libraries ------------------------------------------------------------------
+# --- the values the pinned libraries accept ------------------------------------------------------------------------
 
 def optimizer_names() -> list[str]:
     from transformers.training_args import OptimizerNames
@@ -44,18 +28,9 @@ def optimizer_names() -> list[str]:
     return [o.value for o in OptimizerNames]
 
 
-def optimizer_gate(name: str) -> Gate | None:
-    """The checks of the handler transformers runs for `--optim name`; None when it has none (unsupported)."""
-    from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS
-
-    handler = _OPTIMIZER_HANDLERS.get(name)
-    return library_gate(handler) if handler is not None else None
-
-
 def bitsandbytes_optimizers() -> frozenset[str]:
     """The `--optim` values transformers builds with bitsandbytes (its handler checks is_bitsandbytes_available)."""
-    return frozenset(name for name in optimizer_names()
-                     if (gate := optimizer_gate(name)) and any(n.package == "bitsandbytes" for n in gate.needs))
+    return frozenset(row.value for row in packages.TABLE if row.setting == "--optim" and row.package == "bitsandbytes")
 
 
 def report_to_names() -> list[str]:
@@ -64,50 +39,26 @@ def report_to_names() -> list[str]:
     return list(INTEGRATION_TO_CALLBACK)
 
 
-def report_to_gate(name: str) -> Gate | None:
-    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
-
-    callback = INTEGRATION_TO_CALLBACK.get(name)
-    return library_gate(callback) if callback is not None else None
-
-
-def liger_gate() -> Gate:
-    from transformers.integrations.liger import apply_liger_kernel
-
-    return library_gate(apply_liger_kernel)
-
-
-def quantization_gate(bits: int) -> Gate:
-    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
-
-    return library_gate(AUTO_QUANTIZER_MAPPING[f"bitsandbytes_{bits}bit"].validate_environment)
-
-
-def deepspeed_gate() -> Gate:
-    """What `accelerate launch` checks before starting DeepSpeed ranks (the same helper train.py's side needs)."""
-    from accelerate.commands.launch import deepspeed_launcher
-
-    return library_gate(deepspeed_launcher)
-
-
 # --- the checks --------------------------------------------------------------------------------------------------
 
-def gate_problem(asked: str, gate, alternative: str, *, state: str = "installed", note: str = "") -> list[str]:
-    """[] when everything `gate` checks is there; else the one problem every optional setting reports:
+def package_problem(asked: str, setting: str, value: str, alternative: str, *, state: str = "installed",
+                    note: str = "") -> list[str]:
+    """[] when every package (setting, value) needs is there; else the one problem every optional setting reports:
     `asked: needs X>=V, which is not <state> here (how the library checks<note>). Fix: <install><alternative>`."""
-    missing = gate.missing()
+    missing = packages.missing(setting, value)
     if not missing:
         return []
-    return [f"{asked}: needs {needs_text(missing, state)} ({checks_text(gate, missing)}{note}). "
+    return [f"{asked}: needs {needs_text(missing, state)} ({checks_text(missing)}{note}). "
             f"Fix: {fix_text(missing)}{alternative}"]
 
 
 def optimizer_problems(optim: str) -> list[str]:
-    gate = optimizer_gate(optim)
-    if gate is None:
+    from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS
+
+    if optim not in _OPTIMIZER_HANDLERS:  # what transformers dispatches on
         return [f"--optim {optim}: transformers {version_of('transformers')} has no handler for it. Fix: "
                 f"--optim {SAFE_OPTIMIZER}."]
-    return gate_problem(f"--optim {optim}", gate, f", or --optim {SAFE_OPTIMIZER} (needs nothing).")
+    return package_problem(f"--optim {optim}", "--optim", optim, f", or --optim {SAFE_OPTIMIZER} (needs nothing).")
 
 
 def report_to_problems(report_to) -> list[str]:
@@ -121,30 +72,29 @@ def report_to_problems(report_to) -> list[str]:
     known = report_to_names()
     problems = []
     for name in names:
-        gate = report_to_gate(name)
-        if gate is None:
+        if name not in known:
             comma = (" One integration per value: for several, a --config YAML with report_to: "
                      f"[{', '.join(x.strip() for x in name.split(','))}].") if "," in name else ""
             problems.append(f"--report_to {name}: transformers {version_of('transformers')} has no such "
                             f"integration.{comma} Fix: one of {sorted(known)}, or --report_to none.")
             continue
         other = f"leave {name} out of report_to, or " if len(names) > 1 else ""
-        problems += gate_problem(f"--report_to {name}", gate, f", or {other}--report_to none (losses go to the log "
-                                 "and run_record.json only).", state="available")
+        problems += package_problem(f"--report_to {name}", "--report_to", name, f", or {other}--report_to none "
+                                    "(losses go to the log and run_record.json only).", state="available")
     return problems
 
 
 def liger_problems() -> list[str]:
-    return gate_problem("--use_liger_kernel True", liger_gate(), " on a GPU machine, or --use_liger_kernel False.",
-                        note="; its Triton kernels also need a CUDA GPU")
+    return package_problem("--use_liger_kernel True", "--use_liger_kernel", "True", " on a GPU machine, or "
+                           "--use_liger_kernel False.", note="; its Triton kernels also need a CUDA GPU")
 
 
 def quantization_problems(m) -> list[str]:
     problems = []
-    for bits, flag in ((4, "use_4bit_quantization"), (8, "use_8bit_quantization")):
+    for flag in ("use_4bit_quantization", "use_8bit_quantization"):
         if getattr(m, flag):
-            problems += gate_problem(f"--{flag} True", quantization_gate(bits), " (requirements.txt pins the "
-                                     f"tested versions), or --{flag} False (LoRA on the unquantized model).")
+            problems += package_problem(f"--{flag} True", f"--{flag}", "True", " (requirements.txt pins the tested "
+                                        f"versions), or --{flag} False (LoRA on the unquantized model).")
     return problems
 
 
@@ -184,25 +134,22 @@ def compile_backend_registered(name: str) -> bool:
 def compile_backend_problem(name: str) -> tuple[str, str] | None:
     """(why torch.compile(backend=name) cannot run here, what to install or ""), or None when it can."""
     import torch
-    from torch._dynamo.backends.registry import lookup_backend
 
     if not compile_backend_registered(name):
-        why, package = COMPILE_BACKEND_PROVIDERS.get(name, ("a package must register it with torch", ""))
+        why, package = COMPILE_BACKENDS_TORCH_LACKS.get(name, ("a package must register it with torch", ""))
         return f"torch {torch.__version__} has no '{name}' backend here ({why})", \
             f"pip install '{package}'" if package else ""
-    gate = library_gate(lookup_backend(name))
-    missing = gate.missing()
+    missing = packages.missing("--torch_compile_backend", name)  # what the registered backend function imports
     if missing:
-        return (f"torch's '{name}' backend needs {needs_text(missing)} "
-                f"({checks_text(gate, missing)})", fix_text(missing))
+        return f"torch's '{name}' backend needs {needs_text(missing)} ({checks_text(missing)})", fix_text(missing)
     return None
 
 
 def deepspeed_problems(asked_by: str, fails: str = "transformers fails while parsing the arguments") -> list[str]:
     """`asked_by` (the flag or launcher setting) needs DeepSpeed: [] when accelerate finds it installed."""
-    return gate_problem(asked_by, deepspeed_gate(), " (requirements-dev.txt pins the tested version), or an FSDP "
-                        "config instead (configs/fsdp_config.yaml; CPU: configs/cpu/fsdp2_config.yaml).",
-                        note=f"; without it {fails}")
+    return package_problem(asked_by, "distributed_type", "DEEPSPEED", " (requirements-dev.txt pins the tested "
+                           "version), or an FSDP config instead (configs/fsdp_config.yaml; CPU: "
+                           "configs/cpu/fsdp2_config.yaml).", note=f"; without it {fails}")
 
 
 def engine_problems(deepspeed_flag, launch) -> list[str]:

@@ -1,13 +1,14 @@
 """Every setting that needs an optional package is refused before any weight loads, naming flag, package and fix.
 
-The checks are read from the pinned libraries (sft_recipe/config/optional_deps.py): these tests pin that every value
-transformers/accelerate accept is either checked or known to need nothing, that the check calls the library's own
-helpers, and that each flag of issue 20 prints its message -- with the package's absence simulated by patching the
-library's helper, so the tests mean the same on a machine where the package is installed.
+The packages each setting needs are a declared table (sft_recipe/config/packages.py, held to the libraries by
+tests/unit/test_package_table.py); these tests pin that the check calls the library's own helpers and that each flag
+of issue 20 prints its message -- with the package's absence simulated by patching the library's helper, so the tests
+mean the same on a machine where the package is installed.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import subprocess
@@ -15,11 +16,11 @@ import sys
 
 import pytest
 
-from sft_recipe.config import library_gates
 from sft_recipe.config import optional_deps as od
+from sft_recipe.config import packages
 from sft_recipe.config.args import ConfigError, parse_args
 from sft_recipe.config.launch_env import LaunchEnv
-from sft_recipe.config.validate import validate
+from sft_recipe.preflight.validate import validate
 from tests.helpers import REPO, launch_env
 
 
@@ -31,14 +32,17 @@ def good(tiny, tmp_path, monkeypatch):
             "--output_dir", str(tmp_path / "out"), "--use_peft_lora", "True"]
 
 
-def _set(monkeypatch, gate: library_gates.Gate, available: bool) -> None:
-    """Make every check of `gate` answer `available`, where the library looks it up (its module's namespace)."""
-    for need in gate.needs:
-        if need.kind == "flag":
-            monkeypatch.setitem(gate.namespace, need.check, available)
-        elif need.kind == "helper":
-            monkeypatch.setitem(gate.namespace, need.check, lambda *args, **kwargs: available)
-    monkeypatch.setattr(library_gates, "module_available", lambda name: available)
+def _set(monkeypatch, setting: str, value: str, available: bool) -> None:
+    """Make every check (setting, value) needs answer `available`, where the library looks it up (the module of the
+    function that asks)."""
+    for row in packages.rows(setting, value):
+        if row.is_import:
+            continue
+        module, name = row.helper.rsplit(".", 1)
+        module = importlib.import_module(module)
+        monkeypatch.setattr(module, name, available if isinstance(getattr(module, name), bool)
+                            else lambda *args, **kwargs: available)
+    monkeypatch.setattr(packages, "module_available", lambda name: available)
 
 
 def _problems(argv) -> list[str]:
@@ -47,41 +51,7 @@ def _problems(argv) -> list[str]:
     return e.value.problems
 
 
-# --- derived from the libraries: every value they accept is checked or known to need nothing ------------------------
-
-def test_every_optimizer_transformers_accepts_is_checked_or_needs_nothing():
-    from transformers.training_args import OptimizerNames
-
-    unexplained = []
-    for name in (o.value for o in OptimizerNames):
-        gate = od.optimizer_gate(name)
-        assert gate is not None, f"transformers has no handler for --optim {name}"
-        if bool(gate.needs) == (name in od.OPTIMIZERS_NEEDING_NOTHING):
-            unexplained.append(name)
-        for need in gate.needs:  # each one names something to install, or what the library says instead
-            assert need.package and (need.install or need.note or need.kind == "module"), (name, need)
-    assert not unexplained, f"neither checked nor known to need nothing (or listed but needing a package): " \
-                            f"{unexplained}; see sft_recipe/config/optional_deps.py"
-    assert od.OPTIMIZERS_NEEDING_NOTHING <= {o.value for o in OptimizerNames}, "a listed name transformers dropped"
-
-
-def test_every_report_to_integration_is_checked():
-    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
-
-    for name, callback in INTEGRATION_TO_CALLBACK.items():
-        gate = od.report_to_gate(name)
-        assert gate.needs, f"--report_to {name}: {callback.__name__} checks nothing this module can read"
-        assert gate.namespace is sys.modules[callback.__module__].__dict__
-
-
-def test_every_compile_backend_accelerate_accepts_is_registered_or_explained():
-    from accelerate.utils import DynamoBackend
-
-    names = {b.value.lower() for b in DynamoBackend} - {"no"}
-    unexplained = [n for n in names if not od.compile_backend_registered(n) and n not in od.COMPILE_BACKEND_PROVIDERS]
-    assert not unexplained, f"torch registers no such backend and optional_deps does not say why: {unexplained}"
-    assert set(od.COMPILE_BACKEND_PROVIDERS) <= names, "an explained backend accelerate no longer accepts"
-
+# --- the values the libraries accept (the table itself: tests/unit/test_package_table.py) -----------------------
 
 def test_the_docs_say_where_every_value_works():
     """docs/integrations.md has a row for every --optim and --report_to value the pinned transformers accepts."""
@@ -92,29 +62,6 @@ def test_the_docs_say_where_every_value_works():
     named = {word for span in spans for word in span.split()}
     missing = sorted(set(od.optimizer_names() + od.report_to_names()) - named)
     assert not missing, f"docs/integrations.md does not say where these work: {missing}"
-
-
-def test_the_checks_are_the_libraries_own_helpers_and_versions():
-    import transformers.integrations.integration_utils as integrations
-    import transformers.utils as utils
-    from transformers.utils.import_utils import BITSANDBYTES_MIN_VERSION, TORCHAO_MIN_VERSION
-
-    (torchao,) = od.optimizer_gate("adamw_torch_4bit").needs
-    assert od.optimizer_gate("adamw_torch_4bit").namespace[torchao.check] is utils.is_torchao_available
-    assert (torchao.package, torchao.version, torchao.install) == ("torchao", TORCHAO_MIN_VERSION,
-                                                                   f"torchao>={TORCHAO_MIN_VERSION}")
-    (galore,) = od.optimizer_gate("galore_adamw").needs
-    assert galore.check == "is_galore_torch_available" and galore.install.startswith("git+https://")
-    (bnb,) = od.optimizer_gate("paged_adamw_8bit").needs
-    assert bnb.install == f"bitsandbytes>={BITSANDBYTES_MIN_VERSION}"
-    (tensorboard,) = od.report_to_gate("tensorboard").needs
-    assert integrations.__dict__[tensorboard.check] is integrations.is_tensorboard_available
-    (liger,) = od.liger_gate().needs
-    assert (liger.check, liger.install) == ("is_liger_kernel_available", "liger-kernel>=0.3.0")
-    (deepspeed,) = od.deepspeed_gate().needs
-    assert deepspeed.check == "is_deepspeed_available"  # not is_rich_available: that one only picks a traceback
-    assert {n.package for n in od.quantization_gate(4).needs} == {"accelerate", "bitsandbytes"}
-    assert [n.check for n in od.report_to_gate("flyte").needs] == ["is_flytekit_available"]  # pandas: a warning
 
 
 def test_the_real_helpers_decide(monkeypatch):
@@ -138,36 +85,34 @@ def test_the_fsdp_refusal_covers_every_bitsandbytes_optimizer():
 
 # --- each value the check derives: refused when missing, accepted when present --------------------------------------
 
-@pytest.mark.parametrize("name", [n for n in od.optimizer_names() if n not in od.OPTIMIZERS_NEEDING_NOTHING])
+@pytest.mark.parametrize("name", [n for n in od.optimizer_names() if n not in packages.NEEDS_NOTHING["--optim"]])
 def test_each_optimizer_needing_a_package(name, monkeypatch):
-    gate = od.optimizer_gate(name)
-    _set(monkeypatch, gate, available=False)
+    _set(monkeypatch, "--optim", name, available=False)
     (problem,) = od.optimizer_problems(name)
     assert problem.startswith(f"--optim {name}: needs ") and "Fix: " in problem
     assert problem.endswith("or --optim adamw_torch (needs nothing).")
-    for need in gate.needs:
-        assert need.requirement in problem and need.fix() in problem
-    _set(monkeypatch, gate, available=True)
+    for row in packages.rows("--optim", name):
+        assert row.requirement in problem and row.fix() in problem
+    _set(monkeypatch, "--optim", name, available=True)
     assert od.optimizer_problems(name) == []
 
 
 @pytest.mark.parametrize("name", od.report_to_names())
 def test_each_report_to_integration(name, monkeypatch):
-    gate = od.report_to_gate(name)
-    _set(monkeypatch, gate, available=False)
+    _set(monkeypatch, "--report_to", name, available=False)
     (problem,) = od.report_to_problems([name])
     assert problem.startswith(f"--report_to {name}: needs ") and "Fix: " in problem
     assert problem.endswith("or --report_to none (losses go to the log and run_record.json only).")
-    assert all(need.fix() in problem for need in gate.needs)
-    _set(monkeypatch, gate, available=True)
+    assert all(row.fix() in problem for row in packages.rows("--report_to", name))
+    _set(monkeypatch, "--report_to", name, available=True)
     assert od.report_to_problems([name]) == []
 
 
 def test_report_to_lists_all_and_none(monkeypatch):
     import transformers.integrations.integration_utils as integrations
 
-    monkeypatch.setitem(od.report_to_gate("wandb").namespace, "is_wandb_available", lambda: False)
-    monkeypatch.setitem(od.report_to_gate("tensorboard").namespace, "is_tensorboard_available", lambda: True)
+    monkeypatch.setattr(integrations, "is_wandb_available", lambda: False)
+    monkeypatch.setattr(integrations, "is_tensorboard_available", lambda: True)
     (problem,) = od.report_to_problems(["tensorboard", "wandb"])  # each value of a list
     assert problem.startswith("--report_to wandb: needs wandb") and "leave wandb out of report_to, or" in problem
     assert od.report_to_problems("none") == [] and od.report_to_problems(["none"]) == []
@@ -179,7 +124,7 @@ def test_report_to_lists_all_and_none(monkeypatch):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantization_needs_bitsandbytes(bits, good, monkeypatch):
-    _set(monkeypatch, od.quantization_gate(bits), available=False)
+    _set(monkeypatch, f"--use_{bits}bit_quantization", "True", available=False)
     problems = _problems(good + [f"--use_{bits}bit_quantization", "True"])
     assert any(p.startswith(f"--use_{bits}bit_quantization True: needs accelerate>=") and "bitsandbytes>=" in p and
                f"or --use_{bits}bit_quantization False" in p for p in problems), problems
@@ -188,7 +133,7 @@ def test_quantization_needs_bitsandbytes(bits, good, monkeypatch):
 def test_a_compile_backend_whose_package_is_missing(monkeypatch):
     from types import SimpleNamespace
 
-    monkeypatch.setattr(library_gates, "module_available", lambda name: name != "tvm")
+    monkeypatch.setattr(packages, "module_available", lambda name: name != "tvm")
     (problem,) = od.torch_compile_problems(SimpleNamespace(torch_compile=True, torch_compile_backend="tvm"))
     assert problem.startswith("--torch_compile_backend tvm: torch's 'tvm' backend needs tvm, which is not installed")
     (problem,) = od.torch_compile_problems(SimpleNamespace(torch_compile=True, torch_compile_backend="tensorrt"))
@@ -199,30 +144,30 @@ def test_a_compile_backend_whose_package_is_missing(monkeypatch):
 
 # --- issue 20's flags, each with the message it prints, none loading a weight ---------------------------------------
 
-ISSUE_FLAGS = {  # flags -> (what is missing: a gate, the message validate prints)
-    "report_to tensorboard": (["--report_to", "tensorboard"], lambda: od.report_to_gate("tensorboard"),
+ISSUE_FLAGS = {  # flags -> (what is missing: a (setting, value) of the table, the message validate prints)
+    "report_to tensorboard": (["--report_to", "tensorboard"], ("--report_to", "tensorboard"),
                               "--report_to tensorboard: needs tensorboard, which is not available here (transformers "
                               "5.24.0's TensorBoardCallback.__init__ checks is_tensorboard_available()). Fix: pip "
                               "install 'tensorboard', or --report_to none (losses go to the log and run_record.json "
                               "only)."),
-    "report_to wandb": (["--report_to", "wandb"], lambda: od.report_to_gate("wandb"),
+    "report_to wandb": (["--report_to", "wandb"], ("--report_to", "wandb"),
                         "--report_to wandb: needs wandb, which is not available here (transformers 5.24.0's "
                         "WandbCallback.__init__ checks is_wandb_available()). Fix: pip install 'wandb', or "
                         "--report_to none (losses go to the log and run_record.json only)."),
-    "report_to trackio": (["--report_to", "trackio"], lambda: od.report_to_gate("trackio"),
+    "report_to trackio": (["--report_to", "trackio"], ("--report_to", "trackio"),
                           "--report_to trackio: needs trackio, which is not available here (transformers 5.24.0's "
                           "TrackioCallback.__init__ checks is_trackio_available()). Fix: pip install 'trackio', or "
                           "--report_to none (losses go to the log and run_record.json only)."),
-    "optim adamw_torch_4bit": (["--optim", "adamw_torch_4bit"], lambda: od.optimizer_gate("adamw_torch_4bit"),
+    "optim adamw_torch_4bit": (["--optim", "adamw_torch_4bit"], ("--optim", "adamw_torch_4bit"),
                                "--optim adamw_torch_4bit: needs torchao>=0.15.0, which is not installed here "
                                "(transformers 5.24.0's _get_torchao_optimizer checks is_torchao_available()). Fix: "
                                "pip install 'torchao>=0.15.0', or --optim adamw_torch (needs nothing)."),
     "optim galore_adamw": (["--optim", "galore_adamw", "--optim_target_modules", "all-linear"],
-                           lambda: od.optimizer_gate("galore_adamw"),
+                           ("--optim", "galore_adamw"),
                            "--optim galore_adamw: needs galore_torch, which is not installed here (transformers "
                            "5.24.0's _get_galore_optimizer checks is_galore_torch_available()). Fix: pip install "
                            "'git+https://github.com/jiaweizzhao/GaLore', or --optim adamw_torch (needs nothing)."),
-    "use_liger_kernel": (["--use_liger_kernel", "True"], od.liger_gate,
+    "use_liger_kernel": (["--use_liger_kernel", "True"], ("--use_liger_kernel", "True"),
                          "--use_liger_kernel True: needs liger-kernel>=0.3.0, which is not installed here "
                          "(transformers 5.24.0's apply_liger_kernel checks is_liger_kernel_available(); its Triton "
                          "kernels also need a CUDA GPU). Fix: pip install 'liger-kernel>=0.3.0' on a GPU machine, or "
@@ -241,9 +186,9 @@ def test_issue_flag_is_refused_before_any_weight_loads(name, good, monkeypatch, 
 
     import train
 
-    flags, gate, message = ISSUE_FLAGS[name]
-    if gate is not None:
-        _set(monkeypatch, gate(), available=False)
+    flags, missing, message = ISSUE_FLAGS[name]
+    if missing is not None:
+        _set(monkeypatch, *missing, available=False)
 
     def loads_a_weight(*args, **kwargs):
         raise AssertionError("a weight was loaded before the configuration was refused")
@@ -261,17 +206,18 @@ def test_issue_flag_is_refused_before_any_weight_loads(name, good, monkeypatch, 
 
 def test_train_py_lists_every_missing_package_at_once(tiny, tmp_path):
     """As a new user runs it: one process, the guide's LoRA flags, a --config carrying a report_to list. The packages'
-    absence is simulated in the child by patching the libraries' helpers (after the check read them, as the fast
-    tests do); from_pretrained exits 99 if reached."""
+    absence is simulated in the child by patching the libraries' helpers where the library functions look them up, as
+    the fast tests do; from_pretrained exits 99 if reached."""
     config = tmp_path / "recipe.yaml"
     config.write_text("report_to: [tensorboard, wandb, trackio]\noptim: adamw_torch_4bit\nuse_liger_kernel: true\n")
     patch = (
-        "import sys, runpy, transformers\n"
-        "from sft_recipe.config import optional_deps as od\n"
-        "for gate in (od.report_to_gate('tensorboard'), od.report_to_gate('wandb'), od.report_to_gate('trackio'),\n"
-        "             od.optimizer_gate('adamw_torch_4bit'), od.liger_gate()):\n"
-        "    for need in gate.needs:\n"
-        "        gate.namespace[need.check] = lambda *a, **k: False\n"
+        "import importlib, sys, runpy, transformers\n"
+        "from sft_recipe.config import packages\n"
+        "for asked in (('--report_to', 'tensorboard'), ('--report_to', 'wandb'), ('--report_to', 'trackio'),\n"
+        "              ('--optim', 'adamw_torch_4bit'), ('--use_liger_kernel', 'True')):\n"
+        "    for row in packages.rows(*asked):\n"
+        "        module, name = row.helper.rsplit('.', 1)\n"
+        "        setattr(importlib.import_module(module), name, lambda *a, **k: False)\n"
         "def loaded(*a, **k): sys.exit(99)\n"
         "transformers.AutoModelForCausalLM.from_pretrained = loaded\n"
         "sys.argv = ['train.py'] + sys.argv[1:]\n"
@@ -295,7 +241,7 @@ def test_train_py_lists_every_missing_package_at_once(tiny, tmp_path):
 # --- DeepSpeed: train.py's side (before transformers parses) and the launcher's side --------------------------------
 
 def test_deepspeed_missing_is_named_before_transformers_parses(good, monkeypatch, tmp_path):
-    _set(monkeypatch, od.deepspeed_gate(), available=False)
+    _set(monkeypatch, "distributed_type", "DEEPSPEED", available=False)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     with pytest.raises(ConfigError) as e:
         parse_args(good + ["--ddp_backend", "gloo"])
@@ -313,7 +259,7 @@ def test_deepspeed_missing_is_named_before_transformers_parses(good, monkeypatch
 
 def test_launcher_preflight_for_a_deepspeed_config(monkeypatch, capsys):
     assert od.main(["--accelerate_config", str(REPO / "configs/fsdp_config.yaml")]) == 0
-    _set(monkeypatch, od.deepspeed_gate(), available=False)
+    _set(monkeypatch, "distributed_type", "DEEPSPEED", available=False)
     assert od.main(["--accelerate_config", str(REPO / "configs/deepspeed_config.yaml")]) == 2
     assert "`accelerate launch` stops with its own ImportError before train.py starts). Fix: pip install " \
            "'deepspeed'" in capsys.readouterr().err
