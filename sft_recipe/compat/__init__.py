@@ -28,6 +28,7 @@ from sft_recipe.compat.accelerate_fsdp import (
     init_optimizer_state_before_fsdp1_load,
     keep_present_no_split_modules,
 )
+from sft_recipe.compat.fsdp2_buffers import load_persistent_buffers_apart
 from sft_recipe.compat.peft_embeddings import save_embedding_layers_for
 from sft_recipe.compat.peft_names import (
     fsdp1_checkpoint_model_io_with_clean_names,
@@ -59,6 +60,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
                "ACCELERATE_USE_CPU=true accelerate launch --config_file configs/cpu/fsdp_config.yaml reports "
                "DistributedType.FSDP without it (tests/e2e/test_train.py runs FSDP on CPU)",
                install=enable_fsdp_on_cpu),
+    Workaround("load_persistent_buffers_apart", "accelerate", ">=1.0", "1.15.0",
+               "the deepseek-v3-fsdp2 cell of tests/e2e/test_families.py (a router with a persistent buffer, FSDP2 "
+               "with cpu_ram_efficient_loading) trains without it", install=load_persistent_buffers_apart),
     Workaround("fsdp1_checkpoint_model_io_with_clean_names", "peft", ">=0.21", "0.21.2",
                "tests/e2e/test_resume.py FSDP1 matches the uninterrupted run without it",
                install=lambda launch: fsdp1_checkpoint_model_io_with_clean_names() or True),
@@ -168,6 +172,7 @@ def installed() -> bool:
 __all__ = [
     "TRAINER_OVERRIDES", "WORKAROUNDS", "enable_fsdp_on_cpu", "exit_skipping_teardown", "gather_full_state_dict",
     "init_optimizer_state_before_fsdp1_load", "install", "installed", "keep_present_no_split_modules",
+    "load_persistent_buffers_apart",
     "module_names_without_fsdp_segments",
     "quantized_base_device_map", "save_embedding_layers_for",
     "restore_bnb_4bit_storage_layout", "strip_wrapper_segments", "trainable_tokens_lm_head_bias",

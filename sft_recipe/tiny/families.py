@@ -3,7 +3,8 @@
 Each is the demo's shape in miniature (2 decoder layers, hidden 64, the tiny tokenizer's vocabulary) with what makes
 its family different kept: tied input/output embeddings (Llama-3.2, Qwen2/2.5/3 small, Gemma), Gemma-2's soft-capped
 eager attention and sliding window, Gemma-3's nested text config and head_dim != hidden/heads, Phi-3's fused
-projections, fused 3-D MoE experts (Mixtral, Qwen3-MoE), and a non-Llama layout (GPT-NeoX). The family matrix
+projections, fused 3-D MoE experts (Mixtral, Qwen3-MoE; DeepSeek-V3 with its dense first layer, shared expert and
+non-Linear router), and a non-Llama layout (GPT-NeoX). The family matrix
 (tests/e2e/test_families.py) trains, saves, resumes and merges each under every engine.
 
     python -m sft_recipe.tiny --output_dir .tiny      # the tokenizer every family uses
@@ -32,6 +33,13 @@ FAMILIES: dict[str, tuple[str, dict, str | None]] = {
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}, None),
     "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                                      "decoder_sparse_step": 1, "head_dim": 32}, None),
+    # DeepSeek-style MoE: a dense first layer, a router that is no nn.Linear (DeepseekV3TopkRouter: a bare 2-D
+    # weight and a score-correction bias), a shared expert beside the fused routed ones, multi-head latent attention.
+    "deepseek-v3": ("DeepseekV3Config", {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+                                         "first_k_dense_replace": 1, "moe_intermediate_size": 32, "n_group": 1,
+                                         "topk_group": 1, "q_lora_rank": 16, "kv_lora_rank": 16,
+                                         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+                                         "num_key_value_heads": 4}, None),
     "gpt-neox": ("GPTNeoXConfig", {"use_parallel_residual": True, "rotary_pct": 0.25}, None),
 }
 
@@ -48,7 +56,7 @@ def family_config(family: str, vocab_size: int, bos_token_id: int = 1, eos_token
                       image_size=28, patch_size=14)
         return transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
                                          **{k: v for k, v in ids.items() if k != "vocab_size"})
-    return getattr(transformers, class_name)(**SMALL, **extra, **ids)
+    return getattr(transformers, class_name)(**{**SMALL, **extra}, **ids)
 
 
 def build_family_model(root, tiny_dir, family: str, seed: int = 0) -> Path:
@@ -69,6 +77,13 @@ def build_family_model(root, tiny_dir, family: str, seed: int = 0) -> Path:
     model_class = FAMILIES[family][2]
     model = (getattr(transformers, model_class)(config) if model_class else
              AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    # Persistent buffers (DeepSeek-V3's router bias) start at zero: made non-zero, so that a rank which loaded
+    # them wrong routes differently and trains another adapter.
+    parameters = {name for name, _ in model.named_parameters()}
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name not in parameters and tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.shape, dtype=tensor.dtype))
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     return out

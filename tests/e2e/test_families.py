@@ -12,10 +12,14 @@ paths differ (the full product family x engine would cost ~15 minutes):
 - Gemma-2 (eager attention, soft-capping: transformers' choice, said in the log) on FSDP2;
 - a multimodal checkpoint trained on text (Gemma-3 with a vision tower, text config nested) on FSDP2: only the
   language model is adapted, its wrap classes exist, and its resized vocabulary is saved;
-- fused MoE experts: Mixtral on FSDP1 with the guide's dropout (attention adapted), Qwen3-MoE in one process with
-  the experts named (--lora_target_parameters, dropout 0);
+- fused MoE experts: Mixtral 4-bit on FSDP1 with the guide's dropout (attention adapted; its router an nn.Linear);
+  DeepSeek-V3 (dense first layer, shared expert, a router that is no nn.Linear and holds a persistent buffer) on
+  every engine: the guide's flags on FSDP1 and ZeRO-3, the experts named (--lora_target_parameters, dropout 0) in
+  one process and on FSDP2 with efficient loading, whose adapter must equal the one-process adapter (a rank that
+  loaded the router's bias wrong routes otherwise);
 - non-Llama layouts: GPT-NeoX on FSDP1, Phi-3 (fused qkv/gate_up) in one process.
-Dropped as duplicates of the paths above: Mistral, Qwen3 and Gemma-3 text (Llama/Qwen2-shaped decoder layers; their
+Dropped as duplicates of the paths above: Mixtral in 16 bits and Qwen3-MoE with named experts (the DeepSeek cells
+run the same paths), Mistral, Qwen3 and Gemma-3 text (Llama/Qwen2-shaped decoder layers; their
 one-process runs were checked by hand), and the families' one-process runs whose FSDP cell runs here.
 """
 
@@ -35,6 +39,7 @@ GUIDE = ["--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lo
          "--report_to", "none", "--eval_strategy", "no", "--seed", "7", "--bf16", "False"]
 STEPS = ["--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2"]
 NO_DROPOUT = ["--lora_dropout", "0.0"]  # where adapters are compared across engines: dropout masks differ per rank
+EXPERTS = [*NO_DROPOUT, "--lora_target_parameters", "experts.gate_up_proj,experts.down_proj"]
 CONFIGS = {"single": "cpu/single.yaml", "fsdp1": "cpu/fsdp_config.yaml", "fsdp2": "cpu/fsdp2_config.yaml",
            "zero3": "cpu/deepspeed_config.yaml"}
 
@@ -49,12 +54,13 @@ CELLS = {
     "llama-tied-fsdp2": ("llama-tied", "fsdp2", []),
     "gemma2-fsdp2": ("gemma2", "fsdp2", []),
     "gemma3-multimodal-fsdp2": ("gemma3-multimodal", "fsdp2", []),
-    "mixtral-fsdp1": ("mixtral", "fsdp1", []),
     # The 4-bit base loaded on the CPU and wrapped (issue 16), and the bf16 LoRA base (issue 19), off the Llama demo.
     "mixtral-qlora-fsdp1": ("mixtral", "fsdp1", QLORA_FLAGS),
     "qwen2-bf16-base-fsdp1": ("qwen2", "fsdp1", ["--bf16", "True", "--use_reentrant", "True"]),
-    "qwen3-moe-experts-single": ("qwen3-moe", "single", [*NO_DROPOUT, "--lora_target_parameters",
-                                                          "experts.gate_up_proj,experts.down_proj"]),
+    "deepseek-v3-experts-single": ("deepseek-v3", "single", [*EXPERTS, "--per_device_train_batch_size", "4"]),
+    "deepseek-v3-experts-fsdp2": ("deepseek-v3", "fsdp2", EXPERTS),
+    "deepseek-v3-fsdp1": ("deepseek-v3", "fsdp1", []),
+    "deepseek-v3-zero3": ("deepseek-v3", "zero3", ["--ddp_backend", "gloo"]),
     "gpt-neox-fsdp1": ("gpt-neox", "fsdp1", []),
     "phi3-single": ("phi3", "single", []),
 }
@@ -138,12 +144,25 @@ def test_a_tied_embedding_trained_in_full_is_saved_as_one_tensor(runs, family_mo
     assert not torch.equal(embedding[: base.shape[0]], base)  # trained: it moved from the base's rows
 
 
-def test_moe_adapts_attention_by_default_and_experts_only_when_named(runs):
-    default = load_file(str(runs["mixtral-fsdp1"].output_dir / "adapter_model.safetensors"))
-    assert not any(".mlp." in k for k in default)  # neither experts nor router under all-linear
-    named = load_file(str(runs["qwen3-moe-experts-single"].output_dir / "adapter_model.safetensors"))
-    assert any("experts" in k and "lora_" in k for k in named)
-    assert not any(".gate." in k for k in named)  # the router stays untouched
+@pytest.mark.parametrize("cell", ["mixtral-qlora-fsdp1", "deepseek-v3-fsdp1", "deepseek-v3-zero3"])
+def test_moe_adapts_attention_by_default_and_says_what_all_linear_leaves_out(runs, cell):
+    default = load_file(str(runs[cell].output_dir / "adapter_model.safetensors"))
+    assert default and not any(".mlp." in k for k in default)  # neither experts nor router under all-linear
+    assert any(".self_attn." in k for k in default)
+    said = "all-linear leaves 6 linears untrained (down_proj, gate_proj, up_proj"  # DeepSeek's dense + shared MLPs
+    assert (said in runs[cell].output) == cell.startswith("deepseek")
+
+
+def test_named_experts_train_on_fsdp2_as_in_one_process_and_the_router_never(runs):
+    """Same seed and global batch, no dropout: the FSDP2 adapter (ranks > 0 built on the meta device, weights and the
+    router's persistent bias broadcast from rank 0: compat.load_persistent_buffers_apart) is the one-process one."""
+    single = load_file(str(runs["deepseek-v3-experts-single"].output_dir / "adapter_model.safetensors"))
+    sharded = load_file(str(runs["deepseek-v3-experts-fsdp2"].output_dir / "adapter_model.safetensors"))
+    assert any(".mlp.experts." in k and "lora_" in k for k in single)
+    assert not any(".gate." in k or "shared_experts" in k for k in single)  # the router stays untouched
+    assert sharded.keys() == single.keys()
+    for key, tensor in sharded.items():
+        torch.testing.assert_close(tensor, single[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
 def test_a_multimodal_checkpoint_adapts_its_language_model_and_keeps_its_resized_vocabulary(runs):
