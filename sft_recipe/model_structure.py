@@ -189,6 +189,11 @@ def parse_target_modules(value: str) -> str | list[str]:
     return value if value == "all-linear" else [m.strip() for m in value.split(",") if m.strip()]
 
 
+def parse_target_parameters(value: str) -> list[str]:
+    """The `--lora_target_parameters` flag: fused expert parameter names, comma-separated (none when empty)."""
+    return [p.strip() for p in value.split(",") if p.strip()]
+
+
 @dataclass(frozen=True)
 class LoraTargets:
     target_modules: str | list[str]               # what LoraConfig is given

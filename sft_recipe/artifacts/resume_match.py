@@ -114,7 +114,9 @@ def _requested_targets(m, trust_remote_code: bool):
 
 
 def _requested_lora(m, trust_remote_code: bool) -> dict:
-    names = [x.strip() for x in getattr(m, "lora_target_parameters", "").split(",") if x.strip()]
+    from sft_recipe.model_structure import parse_target_parameters
+
+    names = parse_target_parameters(getattr(m, "lora_target_parameters", ""))
     return {"r": m.lora_r, "lora_alpha": m.lora_alpha, "target_modules": _requested_targets(m, trust_remote_code),
             "target_parameters": sorted(names), "use_dora": bool(m.use_dora),
             "modules_to_save": _suffixes(x.strip() for x in m.lora_modules_to_save.split(",") if x.strip())}

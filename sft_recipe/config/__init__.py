@@ -1,3 +1,4 @@
-"""Configuration, the floor every room stands on: the flags and recipe YAML (args), the launcher's environment read
-once (launch_env), the dtype the base loads in (dtypes), optional packages a setting needs (optional_deps) and the
+"""Configuration, the floor every room stands on: the flags and recipe YAML, every default in one dataclass (args),
+the launcher's environment read once (launch_env), the dtype the base loads in (dtypes), the optional packages each
+setting value needs as a declared table (packages) and their check before load (optional_deps), and the
 launcher-level checks that need nothing above (launch_checks). The checks that read other rooms are in preflight/."""

@@ -12,10 +12,11 @@ from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
 from sft_recipe.config.optional_deps import bitsandbytes_optimizers, optional_dependency_problems
 from sft_recipe.data.prepare import locate_splits
 from sft_recipe.errors import ConfigError
-from sft_recipe.model_shape import linear_module_names, module_names
+from sft_recipe.model_shape import DTYPES, linear_module_names, module_names
+from sft_recipe.model_structure import parse_target_modules
 from sft_recipe.preflight.file_checks import config_file_problems, file_problems
 from sft_recipe.preflight.trainer_checks import trainer_problems
-from sft_recipe.train.model import DTYPES, flash_attn_problem
+from sft_recipe.train.model import flash_attn_problem
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 logger = logging.getLogger(__name__)
@@ -206,7 +207,8 @@ def _lora_target_problems(m: ModelArguments, t) -> list[str]:
             if "trust_remote_code" in str(e) else ""
         return [f"--model_name_or_path {m.model_name_or_path}: its config could not be read ({first_line}).{hint}"]
     problems = []
-    wanted = [x.strip() for x in m.lora_target_modules.split(",") if x.strip() and x.strip() != "all-linear"]
+    parsed = parse_target_modules(m.lora_target_modules)
+    wanted = [] if parsed == "all-linear" else [x for x in parsed if x != "all-linear"]
     missing = [x for x in wanted if x not in names]
     if missing:
         problems.append(f"--lora_target_modules: {missing} match no linear layer of this model. Fix: choose from "

@@ -14,7 +14,12 @@ from __future__ import annotations
 from functools import lru_cache
 
 from sft_recipe.config.args import ModelArguments
-from sft_recipe.model_structure import LoraTargets, fused_expert_parameters, lora_targets_of
+from sft_recipe.model_structure import (
+    LoraTargets,
+    fused_expert_parameters,
+    lora_targets_of,
+    parse_target_parameters,
+)
 
 
 def attention_implementation(model_args: ModelArguments) -> str | None:
@@ -61,8 +66,7 @@ def lora_targets(model_args: ModelArguments, trust_remote_code: bool = False) ->
 
 def lora_target_parameters(model_args: ModelArguments) -> list[str] | None:
     """`target_parameters` (PEFT's ParamWrapper over fused expert weights), only when named."""
-    names = [p.strip() for p in getattr(model_args, "lora_target_parameters", "").split(",") if p.strip()]
-    return names or None
+    return parse_target_parameters(getattr(model_args, "lora_target_parameters", "")) or None
 
 
 def target_parameter_problems(model_args: ModelArguments, trust_remote_code: bool = False) -> list[str]:
