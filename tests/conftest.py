@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +12,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `sft_recipe`, `tests.helpers`: from this checkout
 
 from tests.helpers import REPO, tiny_conversation_as  # noqa: E402
+
+# In-process tests run offline, as launched ones do (helpers.launch_env): a Hub id in a test ("org/base") is then
+# refused at once instead of waiting on the network's timeouts, which cost ~10 s a lookup on a machine without it.
+for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_name, "1")
 
 
 def pytest_collection_modifyitems(items):

@@ -102,10 +102,12 @@ def saved_run(checkpoint: str | os.PathLike) -> dict | None:
 def _requested_targets(m, trust_remote_code: bool):
     """target_modules as this launch will give them to PEFT (suffixes, or a pattern); None where unknown."""
     from sft_recipe.model_shape import linear_module_names
-    from sft_recipe.model_structure import lora_targets_of
+    from sft_recipe.model_structure import lora_targets_of, parse_target_modules
 
+    targets = parse_target_modules(m.lora_target_modules)  # a list is given to PEFT as it is: no model needed
     try:  # what all-linear means for this family
-        targets = lora_targets_of(m.lora_target_modules, m.model_name_or_path, trust_remote_code).target_modules
+        if targets == "all-linear":
+            targets = lora_targets_of(m.lora_target_modules, m.model_name_or_path, trust_remote_code).target_modules
         if targets == "all-linear":  # PEFT's rule: every linear layer but the output layer
             targets = linear_module_names(m.model_name_or_path, trust_remote_code)
     except Exception:  # an unreadable config is reported by validate's own checks

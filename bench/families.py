@@ -1,0 +1,194 @@
+"""Census of every causal-LM model type transformers registers: it trains with the guide's flags, or it is refused
+before any weight loads with the reason, or its tiny model cannot be built (with why).
+
+    .venv/bin/python bench/families.py --checks          # up-front checks only, in process (about 2 minutes)
+    .venv/bin/python bench/families.py                   # + a 2-step run of each, adapter loaded (about 1 hour)
+    .venv/bin/python bench/families.py --types llama,mamba,ctrl --keep /tmp/census
+
+Each type's tiny model is built through its own config class's constructor (hidden 64, 2 layers, 4 heads, the
+embedded tokenizer's vocabulary; a nested text config gets the same sizes), so derived fields follow the small sizes.
+The run: one process, fp32, the guide's LoRA flags (all-linear, r 8, alpha 16, dropout 0.1, chatml, packing,
+gradient checkpointing), two steps; "trained" means exit 0, the recipe's adapter check passed and
+AutoPeftModelForCausalLM loaded the adapter. Printed: one row per type, then the counts per outcome.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, n_embd=64, n_layer=2, n_head=4, d_model=64,
+             num_layers=2, n_positions=512, ffn_dim=128, embedding_size=64, head_dim=16)
+GUIDE = ["--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.1",
+         "--lora_target_modules", "all-linear", "--chat_template_format", "chatml", "--max_seq_len", "64",
+         "--per_device_train_batch_size", "2", "--packing", "True", "--gradient_checkpointing", "True",
+         "--max_steps", "2", "--logging_steps", "1", "--report_to", "none", "--eval_strategy", "no",
+         "--save_strategy", "no", "--bf16", "False", "--seed", "7"]
+
+
+def causal_lm_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _small(config_class, vocab_size: int) -> dict:
+    """The constructor arguments of SIZES this class takes (by its signature, or by its defaults' attributes)."""
+    default = config_class()
+    names = set(inspect.signature(config_class.__init__).parameters) | set(vars(default))
+    kwargs = {k: v for k, v in SIZES.items() if k in names}
+    for key in ("vocab_size", "n_vocab"):
+        if key in names:
+            kwargs[key] = vocab_size
+    return kwargs
+
+
+def tiny_config(model_type: str, vocab_size: int):
+    from transformers import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    kwargs = _small(config_class, vocab_size)
+    default = config_class()
+    text = getattr(default, "text_config", None)
+    if text is not None and text is not default:  # a multimodal config: the text model gets the small sizes
+        kwargs["text_config"] = {**text.to_dict(), **_small(type(text), vocab_size)}
+        _two_layer_types(kwargs["text_config"], text)
+    _two_layer_types(kwargs, default)
+    return config_class(**kwargs)
+
+
+def _two_layer_types(kwargs: dict, default) -> None:
+    """`layer_types` lists one entry per layer: keep the family's own mix, cut to two layers (one of each kind
+    where it has two kinds: a hybrid keeps its attention and its linear-attention layer)."""
+    layer_types = getattr(default, "layer_types", None)
+    if isinstance(layer_types, list) and layer_types:
+        kinds = list(dict.fromkeys(layer_types))
+        kwargs["layer_types"] = (kinds + kinds)[:2] if len(kinds) > 1 else layer_types[:1] * 2
+
+
+def build(model_type: str, root: Path, tokenizer) -> Path:
+    """A seeded random tiny model of the type, with the tokenizer, saved under root/<type>."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = root / model_type
+    config = tiny_config(model_type, len(tokenizer))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def check(path: Path, data_dir: Path) -> str | None:
+    """The recipe's up-front checks with the guide's flags: the first problem, or None when it would train."""
+    from sft_recipe.config.args import parse_args
+    from sft_recipe.config.launch_env import LaunchEnv
+    from sft_recipe.errors import ConfigError
+    from sft_recipe.preflight.validate import validate
+
+    argv = ["--model_name_or_path", str(path), "--dataset_name", str(data_dir), "--output_dir", str(path / "out"),
+            *GUIDE]
+    try:
+        m, d, r, t = parse_args(argv, launch=LaunchEnv())
+        validate(m, d, r, t, LaunchEnv())
+    except ConfigError as e:
+        return e.problems[0] if getattr(e, "problems", None) else str(e)
+    return None
+
+
+def train(path: Path, data_dir: Path) -> tuple[str, str]:
+    """(outcome, detail) of a 2-step one-process run and the adapter's load."""
+    out = path / "run"
+    cmd = [sys.executable, str(REPO / "train.py"), "--model_name_or_path", str(path), "--dataset_name",
+           str(data_dir), "--output_dir", str(out), *GUIDE]
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+    text = proc.stdout + proc.stderr
+    if "Traceback" in text:
+        last = [line for line in text.splitlines() if re.match(r"^\w*(Error|Exception)\b", line)]
+        return "traceback", (last[-1] if last else text.strip().splitlines()[-1])[:160]
+    if proc.returncode == 2:
+        error = next((line for line in text.splitlines() if "Fix:" in line or "error" in line.lower()), "")
+        return "refused", error.strip()[:160]
+    if proc.returncode != 0 or "adapter check OK" not in text:
+        return "failed", f"exit {proc.returncode}: {text.strip().splitlines()[-1][:140]}"
+    try:
+        from peft import AutoPeftModelForCausalLM
+
+        AutoPeftModelForCausalLM.from_pretrained(str(out))
+    except Exception as e:  # noqa: BLE001 -- the census reports whatever the load raises
+        return "traceback", f"adapter load: {type(e).__name__}: {e}"[:160]
+    return "trained", ""
+
+
+BUILD_SECONDS = 60  # a type whose tiny model takes longer (a default sized for the real model) is listed as such
+
+
+def _too_slow(signum, frame):
+    raise TimeoutError(f"its tiny model took over {BUILD_SECONDS} s to build and check")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checks", action="store_true", help="up-front checks only (no training)")
+    parser.add_argument("--types", default="", help="comma-separated model types (default: all)")
+    parser.add_argument("--keep", default="", help="build the models here and keep them")
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from sft_recipe.tiny import build_tiny
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    root = Path(args.keep or tempfile.mkdtemp(prefix="census-"))
+    root.mkdir(parents=True, exist_ok=True)
+    tiny = build_tiny(root / ".tiny")
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny.model_dir))
+    types = [t for t in args.types.split(",") if t] or causal_lm_types()
+    counts: collections.Counter = collections.Counter()
+    start = time.time()
+    print(f"| model type | outcome | detail |\n|---|---|---|")
+    signal.signal(signal.SIGALRM, _too_slow)
+    for model_type in types:
+        try:
+            signal.alarm(BUILD_SECONDS)
+            path = build(model_type, root, tokenizer)
+        except Exception as e:  # noqa: BLE001 -- a type whose tiny model cannot be built is listed with why
+            outcome, detail = "not buildable", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        else:
+            problem = check(path, tiny.jsonl_dir)
+            signal.alarm(0)
+            if problem is not None:
+                outcome, detail = "refused", problem
+            elif args.checks:
+                outcome, detail = "passes checks", ""
+            else:
+                outcome, detail = train(path, tiny.jsonl_dir)
+            if not args.keep:
+                shutil.rmtree(path, ignore_errors=True)
+        counts[outcome] += 1
+        print(f"| {model_type} | {outcome} | {detail[:160].replace('|', '/')} |", flush=True)
+    print(f"\n{len(types)} types in {time.time() - start:.0f} s: " +
+          ", ".join(f"{n} {o}" for o, n in counts.most_common()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

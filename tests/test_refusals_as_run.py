@@ -1,0 +1,100 @@
+"""What a user sees when train.py or a side tool refuses, run as a user runs it (a fresh Python process): exit 2,
+the whole list, no traceback, nothing written -- and the side tools' tables. Each start costs ~12 s of imports, so
+these live here, outside the in-process fast lane (`make test-fast`), beside the unit tests of the same checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from sft_recipe.compat import TRAINER_OVERRIDES, WORKAROUNDS
+from tests.helpers import REPO, launch_env
+
+
+def test_train_py_exits_2_with_the_list_and_no_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--model_name_or_path", "./no/model", "--dataset_name", "./no/data",
+         "--lora_alpah", "3", "--output_dir", str(tmp_path / "o")],
+        cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown flag `--lora_alpah`" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--model_name_or_path", "./no/model", "--dataset_name", "./no/data",
+         "--output_dir", str(tmp_path / "o")],
+        cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "2 configuration problem(s)" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout and not (tmp_path / "o").exists()
+
+
+def test_fsdp_asked_without_gpu_or_cpu_switch_is_refused(tmp_path, tiny):
+    env = launch_env(cpu_switch=False)
+    env["ACCELERATE_USE_FSDP"] = "true"
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--model_name_or_path", str(tiny.model_dir), "--dataset_name",
+         str(tiny.jsonl_dir), "--output_dir", str(tmp_path / "o")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "ACCELERATE_USE_CPU=true" in proc.stderr
+
+
+def test_train_py_exits_2_on_an_unreadable_launcher_variable(tmp_path):
+    env = {**launch_env(), "ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "maybe"}
+    proc = subprocess.run([sys.executable, "train.py", "--output_dir", str(tmp_path / "o")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "FSDP_OFFLOAD_PARAMS='maybe': not a boolean. Fix:" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout and not (tmp_path / "o").exists()
+
+
+def test_train_py_lists_every_missing_package_at_once(tiny, tmp_path):
+    """As a new user runs it: one process, the guide's LoRA flags, a --config carrying a report_to list. The packages'
+    absence is simulated in the child by patching the libraries' helpers where the library functions look them up, as
+    the fast tests do; from_pretrained exits 99 if reached."""
+    config = tmp_path / "recipe.yaml"
+    config.write_text("report_to: [tensorboard, wandb, trackio]\noptim: adamw_torch_4bit\nuse_liger_kernel: true\n")
+    patch = (
+        "import importlib, sys, runpy, transformers\n"
+        "from sft_recipe.config import packages\n"
+        "for asked in (('--report_to', 'tensorboard'), ('--report_to', 'wandb'), ('--report_to', 'trackio'),\n"
+        "              ('--optim', 'adamw_torch_4bit'), ('--use_liger_kernel', 'True')):\n"
+        "    for row in packages.rows(*asked):\n"
+        "        module, name = row.helper.rsplit('.', 1)\n"
+        "        setattr(importlib.import_module(module), name, lambda *a, **k: False)\n"
+        "def loaded(*a, **k): sys.exit(99)\n"
+        "transformers.AutoModelForCausalLM.from_pretrained = loaded\n"
+        "sys.argv = ['train.py'] + sys.argv[1:]\n"
+        "runpy.run_path('train.py', run_name='__main__')\n")
+    env = {k: v for k, v in launch_env().items() if k != "TENSORBOARD_LOGGING_DIR"}
+    proc = subprocess.run(
+        [sys.executable, "-c", patch, "--config", str(config), "--model_name_or_path", str(tiny.model_dir),
+         "--dataset_name", str(tiny.jsonl_dir), "--output_dir", str(tmp_path / "o"), "--use_peft_lora", "True",
+         "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.1", "--lora_target_modules", "all-linear",
+         "--torch_compile_backend", "nonexistent"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "6 configuration problem(s)" in proc.stderr, proc.stderr
+    for start in ("--report_to tensorboard: needs tensorboard", "--report_to wandb: needs wandb",
+                  "--report_to trackio: needs trackio", "--optim adamw_torch_4bit: needs torchao>=0.15.0",
+                  "--use_liger_kernel True: needs liger-kernel>=0.3.0", "--torch_compile_backend nonexistent:"):
+        assert start in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout and not (tmp_path / "o").exists()
+
+
+def test_cli_runs_offline_in_a_subprocess_and_prints_the_table():
+    env = {**launch_env(cpu_switch=False), "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "sft_recipe.plan", "--config_file", "configs/fsdp_config.yaml",
+           "--gpu_memory_gib", "40", "--config", "recipes/llama2_70b_lora.yaml"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for row in ("base weights", "LoRA/DoRA params", "gradients", "optimizer state", "activations: checkpoints",
+                "FSDP all-gather buffers", "framework overhead", "host RAM per machine", "final save (rank 0)"):
+        assert row in out, row
+    assert "verdict: DOES NOT FIT in 40 GiB per GPU" in out
+    assert "cheapest changes that make it fit" in out and "--per_device_train_batch_size" in out
+
+
+def test_the_table_prints_every_workaround_and_override():
+    proc = subprocess.run([sys.executable, "-m", "sft_recipe.compat"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]  # 1 would mean a signature drifted
+    for name in [w.name for w in WORKAROUNDS] + [o.method for o in TRAINER_OVERRIDES]:
+        assert name in proc.stdout, name
