@@ -164,7 +164,7 @@ def main() -> int:
     types = [t for t in args.types.split(",") if t] or causal_lm_types()
     counts: collections.Counter = collections.Counter()
     start = time.time()
-    print(f"| model type | outcome | detail |\n|---|---|---|")
+    print("| model type | outcome | detail |\n|---|---|---|")
     signal.signal(signal.SIGALRM, _too_slow)
     for model_type in types:
         try:
