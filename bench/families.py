@@ -9,7 +9,8 @@ Each type's tiny model is built through its own config class's constructor (hidd
 embedded tokenizer's vocabulary; a nested text config gets the same sizes), so derived fields follow the small sizes.
 The run: one process, fp32, the guide's LoRA flags (all-linear, r 8, alpha 16, dropout 0.1, chatml, packing,
 gradient checkpointing), two steps; "trained" means exit 0, the recipe's adapter check passed and
-AutoPeftModelForCausalLM loaded the adapter. Printed: one row per type, then the counts per outcome.
+AutoPeftModelForCausalLM loaded the adapter; a refusal whose fix is one flag (--packing False, ...) is tried again
+with it ("refused; trained with --packing False"). Printed: one row per type, then the counts per outcome.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ sys.path.insert(0, str(REPO))
 
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, n_embd=64, n_layer=2, n_head=4, d_model=64,
-             num_layers=2, n_positions=512, ffn_dim=128, embedding_size=64, head_dim=16)
+             num_layers=2, n_positions=512, ffn_dim=128, embedding_size=64, head_dim=16, encoder_layers=2,
+             decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+             decoder_ffn_dim=128, moe_intermediate_size=64)
+SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 GUIDE = ["--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.1",
          "--lora_target_modules", "all-linear", "--chat_template_format", "chatml", "--max_seq_len", "64",
          "--per_device_train_batch_size", "2", "--packing", "True", "--gradient_checkpointing", "True",
@@ -45,38 +49,70 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def _small(config_class, vocab_size: int) -> dict:
-    """The constructor arguments of SIZES this class takes (by its signature, or by its defaults' attributes)."""
+def _read_only(config_class) -> set[str]:
+    """Config fields the class derives (properties without a setter): passing them to the constructor raises."""
+    return {k for k in dir(config_class) if isinstance(getattr(config_class, k, None), property)
+            and getattr(config_class, k).fset is None}
+
+
+def _small(config_class, vocab_size: int, tokenizer) -> dict:
+    """The constructor arguments of SIZES this class takes (by its signature, or by its defaults' attributes), the
+    tokenizer's vocabulary and special-token ids (a default pad id past the small vocabulary cannot embed)."""
     default = config_class()
-    names = set(inspect.signature(config_class.__init__).parameters) | set(vars(default))
+    names = (set(inspect.signature(config_class.__init__).parameters) | set(vars(default))) - _read_only(config_class)
     kwargs = {k: v for k, v in SIZES.items() if k in names}
+    for key in ("num_experts_per_tok",):  # a default left unset (DeepSeek-V2's) that every checkpoint sets
+        if key in names and getattr(default, key, 0) is None:
+            kwargs[key] = 2
+    if "qk_rope_head_dim" in names:  # multi-head latent attention: head size from the rope/nope split, and as
+        kwargs.pop("head_dim", None)  # many key/value heads as query heads (every released MLA config has)
+        kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 4)
     for key in ("vocab_size", "n_vocab"):
         if key in names:
             kwargs[key] = vocab_size
+    ids = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+           "eos_token_id": tokenizer.eos_token_id, "decoder_start_token_id": tokenizer.pad_token_id}
+    for key in SPECIAL_TOKENS:
+        if key in names and getattr(default, key, None) is not None:
+            kwargs[key] = ids[key] if ids[key] is not None else 0
+    if {"num_heads", "expand"} <= names and getattr(default, "head_dim", None):  # an SSM: heads x head_dim = inner
+        kwargs["num_heads"] = SIZES["hidden_size"] * default.expand // SIZES["head_dim"]
+        kwargs["n_groups"] = 1 if "n_groups" in names else None
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    _two_layers(kwargs, default, names)
     return kwargs
 
 
-def tiny_config(model_type: str, vocab_size: int):
+def tiny_config(model_type: str, tokenizer):
     from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    kwargs = _small(config_class, vocab_size)
+    kwargs = _small(config_class, len(tokenizer), tokenizer)
     default = config_class()
     text = getattr(default, "text_config", None)
     if text is not None and text is not default:  # a multimodal config: the text model gets the small sizes
-        kwargs["text_config"] = {**text.to_dict(), **_small(type(text), vocab_size)}
-        _two_layer_types(kwargs["text_config"], text)
-    _two_layer_types(kwargs, default)
+        # per_layer_config is derived from the layer fields again; the default's is keyed by its 30-odd layers
+        text_fields = {k: v for k, v in text.to_dict().items() if k != "per_layer_config"}
+        kwargs["text_config"] = {**text_fields, **_small(type(text), len(tokenizer), tokenizer)}
     return config_class(**kwargs)
 
 
-def _two_layer_types(kwargs: dict, default) -> None:
-    """`layer_types` lists one entry per layer: keep the family's own mix, cut to two layers (one of each kind
-    where it has two kinds: a hybrid keeps its attention and its linear-attention layer)."""
-    layer_types = getattr(default, "layer_types", None)
-    if isinstance(layer_types, list) and layer_types:
-        kinds = list(dict.fromkeys(layer_types))
-        kwargs["layer_types"] = (kinds + kinds)[:2] if len(kinds) > 1 else layer_types[:1] * 2
+def _two_layers(kwargs: dict, default, names: set[str]) -> None:
+    """Fields with one entry per layer (`layer_types`, a sparsity pattern, ...): keep the family's own mix, cut to
+    two layers (one of each kind where it has two kinds: a hybrid keeps its attention and its linear-attention
+    layer); a `per_layer_config` keyed by layer index keeps its first override, on the last layer."""
+    layers = getattr(default, "num_hidden_layers", None)
+    for key, value in vars(default).items():
+        if key not in names or not isinstance(value, list) or not value:
+            continue
+        if key == "layer_types" or (layers and len(value) == layers):
+            kinds = list(dict.fromkeys(map(repr, value)))
+            firsts = [value[[repr(v) for v in value].index(k)] for k in kinds]
+            kwargs[key] = (firsts + firsts)[:2] if len(firsts) > 1 else value[:1] * 2
+    per_layer = getattr(default, "per_layer_config", None)
+    if "per_layer_config" in names and isinstance(per_layer, dict) and per_layer:
+        first = sorted(per_layer)[0]
+        kwargs["per_layer_config"] = {1: per_layer[first]}
 
 
 def build(model_type: str, root: Path, tokenizer) -> Path:
@@ -85,7 +121,7 @@ def build(model_type: str, root: Path, tokenizer) -> Path:
     from transformers import AutoModelForCausalLM
 
     out = root / model_type
-    config = tiny_config(model_type, len(tokenizer))
+    config = tiny_config(model_type, tokenizer)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(str(out), safe_serialization=True)
@@ -110,11 +146,11 @@ def check(path: Path, data_dir: Path) -> str | None:
     return None
 
 
-def train(path: Path, data_dir: Path) -> tuple[str, str]:
+def train(path: Path, data_dir: Path, extra: tuple[str, ...] = ()) -> tuple[str, str]:
     """(outcome, detail) of a 2-step one-process run and the adapter's load."""
-    out = path / "run"
+    out = path / ("run" + "".join(extra).replace("-", "_"))
     cmd = [sys.executable, str(REPO / "train.py"), "--model_name_or_path", str(path), "--dataset_name",
-           str(data_dir), "--output_dir", str(out), *GUIDE]
+           str(data_dir), "--output_dir", str(out), *GUIDE, *extra]
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
@@ -124,7 +160,7 @@ def train(path: Path, data_dir: Path) -> tuple[str, str]:
         return "traceback", (last[-1] if last else text.strip().splitlines()[-1])[:160]
     if proc.returncode == 2:
         error = next((line for line in text.splitlines() if "Fix:" in line or "error" in line.lower()), "")
-        return "refused", error.strip()[:160]
+        return "refused", error.strip()
     if proc.returncode != 0 or "adapter check OK" not in text:
         return "failed", f"exit {proc.returncode}: {text.strip().splitlines()[-1][:140]}"
     try:
@@ -171,7 +207,7 @@ def main() -> int:
             signal.alarm(BUILD_SECONDS)
             path = build(model_type, root, tokenizer)
         except Exception as e:  # noqa: BLE001 -- a type whose tiny model cannot be built is listed with why
-            outcome, detail = "not buildable", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            outcome, detail = "not buildable", f"{type(e).__name__}: {' '.join(str(e).split())}"
         else:
             problem = check(path, tiny.jsonl_dir)
             signal.alarm(0)
@@ -181,6 +217,11 @@ def main() -> int:
                 outcome, detail = "passes checks", ""
             else:
                 outcome, detail = train(path, tiny.jsonl_dir)
+            fix = re.search(r"Fix: (--\w+) (False|True)\b", detail) if outcome == "refused" else None
+            if fix and not args.checks:  # the refusal's own fix, tried: it must train
+                again, why = train(path, tiny.jsonl_dir, fix.groups())
+                outcome, detail = (f"refused; {again} with {' '.join(fix.groups())}",
+                                   detail if again == "trained" else f"{why} (refused for: {detail})")
             if not args.keep:
                 shutil.rmtree(path, ignore_errors=True)
         counts[outcome] += 1

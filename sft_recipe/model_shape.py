@@ -5,6 +5,7 @@ the plan share; it imports nothing of the recipe.
 - `read_config`: the one reader of a model's config in a run (read once per path; each caller gets its own copy).
 - `config_dtype`: the one reader of the dtype a config says its weights are stored in.
 - `meta_model`: the architecture built from that config on the meta device.
+- `is_linear`, `features`: what counts as a linear layer (PEFT's rule: nn.Linear and transformers' Conv1D).
 """
 
 from __future__ import annotations
@@ -79,9 +80,24 @@ def module_names(model_name_or_path: str, trust_remote_code: bool) -> set[str]:
             if name}
 
 
+def is_linear(module) -> bool:
+    """A layer PEFT's all-linear takes: nn.Linear, or transformers' Conv1D (GPT-2, GPT-SW3, ...: a linear whose
+    weight is stored in x out)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, (torch.nn.Linear, Conv1D))
+
+
+def features(module) -> tuple[int, int]:
+    """(in_features, out_features) of a linear layer of either kind."""
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    return module.weight.shape[0], module.nf
+
+
 def linear_module_names(model_name_or_path: str, trust_remote_code: bool) -> set[str]:
     """Leaf names of the model's linear layers (q_proj, gate_proj, ...), lm_head excluded, built on meta."""
     model = meta_model(model_name_or_path, trust_remote_code)
     output = model.get_output_embeddings()
     return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and module is not output}
+            if is_linear(module) and module is not output}

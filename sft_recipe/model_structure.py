@@ -18,9 +18,10 @@ Rules (every MoE family transformers 5 builds follows them; tests/unit/test_mode
   one-row shared_expert_gate or a bias per expert. all-linear adapts neither experts nor gating.
 - Dense MLP layers (DeepSeek's first `first_k_dense_replace` layers) sit outside every MoE block: ordinary linears.
 
-What `all-linear` means (`resolve_lora_targets`): every nn.Linear of the text decoder but the output head, the
-routed experts and the gating. PEFT's own all-linear reaches further on MoE models and breaks the run: on
-transformers 5 it adds the fused experts and the router as `target_parameters`, whose ParamWrapper raises on the
+What `all-linear` means (`resolve_lora_targets`): every linear layer (nn.Linear, or GPT-2's Conv1D) of the text
+decoder the training forward calls (model_reach), but the output head, the routed experts, the gating and what PEFT
+refuses on the model type (Mamba's out_proj). PEFT's own all-linear reaches further on MoE models and breaks the
+run: on transformers 5 it adds the fused experts and the router as `target_parameters`, whose ParamWrapper raises on the
 guide's lora_dropout 0.1. So for an MoE or multimodal model the rule is handed to PEFT as explicit names, checked
 against what PEFT will do with them: PEFT 0.21 rewrites, on every get_peft_model and every later load, target names
 it takes for transformers-4 expert projections (`gate_proj`, `up_proj`, `down_proj`, `gate`, `w1`-`w3`) into fused
@@ -38,6 +39,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
+
+from sft_recipe.model_reach import peft_refused, reached_linears
+from sft_recipe.model_shape import is_linear
 
 # Module names of the non-text parts of multimodal models in transformers 5 (vision/audio encoders, projectors).
 NON_TEXT_PARTS = ("vision_tower", "vision_model", "visual", "audio_tower", "multi_modal_projector", "vision_embed")
@@ -64,7 +68,7 @@ def _peft_base(name: str) -> str:
 
 
 def _linears(module) -> int:
-    return sum(isinstance(m, torch.nn.Linear) for m in module.modules())
+    return sum(is_linear(m) for m in module.modules())
 
 
 def _fused_experts(module) -> int:
@@ -179,7 +183,7 @@ def all_linear_modules(model) -> set[str]:
     skip = tuple(f"{part}." for b in blocks for part in (b.experts, *b.gating))
     gates = {part for b in blocks for part in b.gating}
     return {name for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and m is not head and in_text_decoder(name, prefix)
+            if is_linear(m) and m is not head and in_text_decoder(name, prefix)
             and name not in gates and not name.startswith(skip)}
 
 
@@ -200,15 +204,28 @@ class LoraTargets:
     modules: frozenset[str] = field(default_factory=frozenset)  # the modules PEFT adapts with it
     left_out: tuple[str, ...] = ()                 # linears all-linear means that PEFT cannot adapt here
     rewritten: tuple[str, ...] = ()                # names PEFT turns into fused-expert parameter targets
+    unreached: tuple[str, ...] = ()                # linears the training forward never calls (model_reach)
+    refused: tuple[str, ...] = ()                  # linears PEFT's compatibility check refuses on this model
 
     def note(self) -> str | None:
-        if not self.left_out:
-            return None
-        leaves = sorted({n.rsplit(".", 1)[-1] for n in self.left_out})
-        return (f"all-linear leaves {len(self.left_out)} linears untrained ({', '.join(leaves)}: dense MLP layers "
-                "and shared experts): PEFT 0.21 rewrites these names into the fused routed experts' parameters for "
-                "this model type, when training and when the adapter is loaded (huggingface/peft#3711), so no "
-                "adapter naming them loads. Attention and the other projections are adapted.")
+        """What all-linear leaves out here and why (None when it adapts every linear of the decoder)."""
+        def leaves(names):
+            return ", ".join(sorted({n.rsplit(".", 1)[-1] for n in names}))
+
+        said = []
+        if self.left_out:
+            said.append(f"all-linear leaves {len(self.left_out)} linears untrained ({leaves(self.left_out)}: dense "
+                        "MLP layers and shared experts): PEFT 0.21 rewrites these names into the fused routed "
+                        "experts' parameters for this model type, when training and when the adapter is loaded "
+                        "(huggingface/peft#3711), so no adapter naming them loads.")
+        if self.unreached:
+            said.append(f"all-linear leaves {len(self.unreached)} linears out ({leaves(self.unreached)}): the "
+                        "training forward never calls them (cross-attention to an encoder this causal LM does "
+                        "not have, or a weight a kernel reads directly), so LoRA there would stay at zero.")
+        if self.refused:
+            said.append(f"all-linear leaves {len(self.refused)} linears out ({leaves(self.refused)}): PEFT refuses "
+                        "LoRA on them for this model type (incompatible with Mamba-based models).")
+        return " ".join(said + ["The other projections are adapted."]) if said else None
 
 
 def peft_adapts(target_modules: str | list[str], model) -> tuple[set[str], set[str]]:
@@ -263,8 +280,13 @@ def resolve_lora_targets(value: str, model) -> LoraTargets:
         matched, rewritten = peft_adapts(parsed, model) if parsed else (set(), set())
         return LoraTargets(parsed, frozenset(matched), rewritten=tuple(sorted(rewritten)))
     chosen = all_linear_modules(model)
+    reached = reached_linears(model)
+    unreached = tuple(sorted(chosen - reached)) if reached is not None else ()
+    refused = tuple(sorted(peft_refused(model, sorted(chosen - set(unreached)))))
+    chosen -= {*unreached, *refused}
+    said = {"unreached": unreached, "refused": refused}
     prefix = text_decoder_prefix(model)
-    if not prefix and not expert_blocks(model):
+    if not prefix and not expert_blocks(model) and not unreached and not refused:
         return LoraTargets("all-linear", frozenset(chosen))
     all_names = [name for name, _ in model.named_modules() if name]
     left_out: set[str] = set()
@@ -273,7 +295,7 @@ def resolve_lora_targets(value: str, model) -> LoraTargets:
         for candidate in _candidates(chosen - left_out, all_names, prefix):
             matched, rewritten = peft_adapts(candidate, model)
             if matched == chosen - left_out and not rewritten:
-                return LoraTargets(candidate, frozenset(matched), tuple(sorted(left_out)))
+                return LoraTargets(candidate, frozenset(matched), tuple(sorted(left_out)), **said)
             stolen |= {r.rsplit(".", 1)[-1] for r in rewritten if not isinstance(candidate, str)}
         left_out |= {n for n in chosen if n.rsplit(".", 1)[-1] in stolen}
         if not stolen:
@@ -282,7 +304,7 @@ def resolve_lora_targets(value: str, model) -> LoraTargets:
     # the spelled-out names, which adapt no module outside the choice.
     kept = chosen - left_out
     fallback = "|".join(sorted(re.escape(n) for n in kept))
-    return LoraTargets(fallback, frozenset(peft_adapts(fallback, model)[0]), tuple(sorted(left_out)))
+    return LoraTargets(fallback, frozenset(peft_adapts(fallback, model)[0]), tuple(sorted(left_out)), **said)
 
 
 @lru_cache(maxsize=16)

@@ -29,6 +29,7 @@ from sft_recipe.compat.accelerate_fsdp import (
     keep_present_no_split_modules,
 )
 from sft_recipe.compat.fsdp2_buffers import load_persistent_buffers_apart
+from sft_recipe.compat.hub_kernels import packing_kernel_gaps
 from sft_recipe.compat.peft_embeddings import save_embedding_layers_for
 from sft_recipe.compat.peft_names import (
     fsdp1_checkpoint_model_io_with_clean_names,
@@ -38,6 +39,7 @@ from sft_recipe.compat.peft_names import (
 )
 from sft_recipe.compat.process import exit_skipping_teardown, restore_bnb_4bit_storage_layout
 from sft_recipe.compat.quantized_load import quantized_base_device_map
+from sft_recipe.compat.trl_fused_head import fused_head_reads_what_it_needs
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,12 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround("load_persistent_buffers_apart", "accelerate", ">=1.0", "1.15.0",
                "the deepseek-v3-fsdp2 cell of tests/e2e/test_families.py (a router with a persistent buffer, FSDP2 "
                "with cpu_ram_efficient_loading) trains without it", install=load_persistent_buffers_apart),
+    Workaround("fused_head_reads_what_it_needs", "trl", ">=1.16", "1.16.0",
+               "tests/e2e/test_census.py trains Llama-4-text (its base_model_prefix names no child) and GraniteMoE "
+               "(num_local_experts) without it", install=fused_head_reads_what_it_needs),
+    Workaround("packing_kernel_gaps", "transformers", ">=5.0", "5.24.0",
+               "transformers says which kernels a model class falls back on (tests/unit/test_model_reach.py reads "
+               "the closure of its hub-kernel wrapper)"),
     Workaround("fsdp1_checkpoint_model_io_with_clean_names", "peft", ">=0.21", "0.21.2",
                "tests/e2e/test_resume.py FSDP1 matches the uninterrupted run without it",
                install=lambda launch: fsdp1_checkpoint_model_io_with_clean_names() or True),
@@ -171,9 +179,10 @@ def installed() -> bool:
 
 __all__ = [
     "TRAINER_OVERRIDES", "WORKAROUNDS", "enable_fsdp_on_cpu", "exit_skipping_teardown", "gather_full_state_dict",
-    "init_optimizer_state_before_fsdp1_load", "install", "installed", "keep_present_no_split_modules",
+    "fused_head_reads_what_it_needs", "init_optimizer_state_before_fsdp1_load",
+    "install", "installed", "keep_present_no_split_modules",
     "load_persistent_buffers_apart",
-    "module_names_without_fsdp_segments",
+    "module_names_without_fsdp_segments", "packing_kernel_gaps",
     "quantized_base_device_map", "save_embedding_layers_for",
     "restore_bnb_4bit_storage_layout", "strip_wrapper_segments", "trainable_tokens_lm_head_bias",
     "trainer_override_drift",

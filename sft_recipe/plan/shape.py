@@ -95,7 +95,6 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
 
     extra_vocab: rows the run adds to the embeddings (chat-template tokens), counted in embeddings and output head.
     """
-    import torch
 
     from sft_recipe.model_shape import config_dtype, meta_model
 
@@ -110,6 +109,7 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
             "for Llama-2-70B, or log in / go online for a Hub id."]) from None
     if extra_vocab:
         model.resize_token_embeddings(model.get_input_embeddings().weight.shape[0] + extra_vocab, mean_resizing=False)
+    from sft_recipe.model_shape import features, is_linear
     from sft_recipe.model_structure import in_text_decoder, resolve_lora_targets, text_decoder_prefix
 
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
@@ -130,10 +130,10 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
     largest_name, largest = max(named_layers, key=lambda item: sum(p.numel() for p in item[1].parameters()))
     layer_params = sum(p.numel() for p in largest.parameters())
     root_params = total - sum(p.numel() for layer in layers for p in layer.parameters())
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    layer_linears = tuple(Linear(n.rsplit(".", 1)[-1], m.in_features, m.out_features)
-                          for n, m in largest.named_modules() if isinstance(m, torch.nn.Linear))
-    root_linears = tuple(Linear(n.rsplit(".", 1)[-1], m.in_features, m.out_features)
+    linears = [(n, m) for n, m in model.named_modules() if is_linear(m)]
+    layer_linears = tuple(Linear(n.rsplit(".", 1)[-1], *features(m))
+                          for n, m in largest.named_modules() if is_linear(m))
+    root_linears = tuple(Linear(n.rsplit(".", 1)[-1], *features(m))
                          for n, m in linears if id(m.weight) not in in_layers)
     quantizable = [m for _, m in linears if m is not output]
     config = model.config
@@ -161,7 +161,7 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
         root_linears=root_linears,
         output_head=output_head,
         checkpoint_bytes=checkpoint_bytes,
-        linears=tuple((n, Linear(n.rsplit(".", 1)[-1], m.in_features, m.out_features)) for n, m in linears),
+        linears=tuple((n, Linear(n.rsplit(".", 1)[-1], *features(m))) for n, m in linears),
         all_linear=resolve_lora_targets("all-linear", model).modules,
         largest_layer=largest_name,
     )

@@ -347,7 +347,7 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,
         problems += _lora_target_problems(m, t)
         problems += gptq_problems(m, t, launch)
         problems += zero3_quantized_load_problems(m, d, t, launch)  # needs the model's config
-        problems += architecture_problems(m, t.trust_remote_code, launch)  # what this family allows
+        problems += architecture_problems(m, t, launch)  # what this family allows
         from sft_recipe.preflight.disk_space import disk_space_problems
 
         problems += disk_space_problems(m, d, t, launch)  # the first save fits on output_dir's disk (warns: all)

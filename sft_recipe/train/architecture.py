@@ -111,11 +111,16 @@ def rewritten_target_problems(model_args: ModelArguments, trust_remote_code: boo
             "all-linear (attention and the other projections), or --lora_dropout 0 to train the experts."]
 
 
-def architecture_problems(model_args: ModelArguments, trust_remote_code: bool = False, launch=None) -> list[str]:
-    """What this model's family cannot do as asked, found from its config before any weight loads."""
+def architecture_problems(model_args: ModelArguments, t, launch=None) -> list[str]:
+    """What this model's family cannot do as asked (`t`: the training arguments), found from its config before any
+    weight loads."""
+    trust_remote_code = bool(getattr(t, "trust_remote_code", False))
     try:
         problems = [p for p in [flash_attention_problem(model_args, trust_remote_code),
                                 tied_training_problem(model_args, trust_remote_code, launch)] if p]
+        from sft_recipe.train.family_rules import family_problems
+
+        problems += family_problems(model_args, t, _meta(model_args.model_name_or_path, trust_remote_code))
     except Exception:  # an unreadable config is named by the model-path checks
         return []
     return problems + target_parameter_problems(model_args, trust_remote_code)

@@ -1,0 +1,106 @@
+"""What training actually runs of a model, asked of the model and the libraries themselves (usually on the meta
+device, so a 70B costs what the tiny model costs), never of a list of family names. The ground floor: imports torch,
+transformers and peft only.
+
+- `backbone`: the module TRL's SFTTrainer runs before the output head. Its fused LM head (TRL 1.16, always on) calls
+  `model.base_model` and multiplies the last hidden state by the output head's weight: anything else the causal LM
+  holds is skipped (`head_bypassed_modules`).
+- `reached_linears`: the linear layers (`is_linear`) whose forward that backbone calls, seen by running it once on
+  the meta device with a few token ids (shapes only, no arithmetic). Cross-attention of a decoder built for an encoder
+  (TrOCR, Marian, Whisper) and projections whose weight a kernel reads directly (Mamba's `dt_proj`) are never
+  called: LoRA there would stay at zero, so all-linear leaves them out and a named target there is refused.
+  None when the backbone cannot run on the meta device (a data-dependent op): nothing is left out then.
+- `peft_refused`: the module names PEFT's own compatibility check refuses for this model (PEFT 0.21 keeps Mamba-based
+  models' `out_proj`/`conv1d` out of LoRA), asked of PEFT with each name.
+- `gradient_checkpointing_support`: what the model class declares (`supports_gradient_checkpointing`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from sft_recipe.model_shape import is_linear
+
+
+def decoder_of(model):
+    """The model's decoder: `get_decoder()`, or else its one child that is itself a transformers model (Llama-4's
+    text model answers `get_decoder()` with itself); None when it names none apart from itself."""
+    from transformers import PreTrainedModel
+
+    try:
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    except (AttributeError, NotImplementedError):
+        decoder = None
+    if isinstance(decoder, torch.nn.Module) and decoder is not model:
+        return decoder
+    models = [child for child in model.children() if isinstance(child, PreTrainedModel)]
+    return models[0] if len(models) == 1 else None
+
+
+def backbone(model):
+    """The module TRL's fused LM head runs: `model.base_model`, or -- where the class's `base_model_prefix` names no
+    child (Llama-4's text model) and compat.trl_fused_head points it at the decoder -- the decoder."""
+    if model.base_model is not model:
+        return model.base_model
+    return decoder_of(model) or model
+
+
+def head_bypassed_modules(model) -> list[str]:
+    """Modules holding parameters outside the backbone and the output head: BERT-style prediction heads
+    (`cls.predictions.transform`), ELECTRA's generator head. TRL's fused LM head never runs them, so the loss it
+    trains would not be this model's. Empty for every decoder-only causal LM."""
+    inside = {id(m) for m in backbone(model).modules()}
+    head = model.get_output_embeddings()
+    head_parts = {id(m) for m in head.modules()} if head is not None else set()
+    return [name for name, module in model.named_modules()
+            if id(module) not in inside and id(module) not in head_parts
+            and any(True for _ in module.parameters(recurse=False))]
+
+
+def reached_linears(model, tokens: int = 8) -> set[str] | None:
+    """Full names of the nn.Linear modules the backbone's training forward calls (the module docstring), from a
+    twin of the model on the meta device (bf16: fused-expert kernels take no fp32; eager attention)."""
+    config = copy.deepcopy(model.config)
+    try:
+        with torch.device("meta"):
+            twin = type(model)._from_config(config, dtype=torch.bfloat16, attn_implementation="eager")
+    except Exception:  # noqa: BLE001 -- a class that cannot be rebuilt so is simply not probed
+        return None
+    called: set[str] = set()
+    hooks = [m.register_forward_hook(lambda module, args, out, name=name: called.add(name))
+             for name, m in twin.named_modules() if is_linear(m)]
+    twin.train()
+    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    try:
+        with torch.no_grad():
+            backbone(twin)(input_ids=ids)  # with its default cache: the no-cache path asks .item() of a mask
+    except Exception:  # noqa: BLE001 -- data-dependent ops cannot run on meta: unknown, so nothing is left out
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return called
+
+
+def peft_refused(model, names) -> dict[str, str]:
+    """{module name: PEFT's reason} for the names PEFT's LoRA compatibility check refuses on this model."""
+    from peft import LoraConfig
+
+    try:
+        from peft.tuners.tuners_utils import _check_lora_target_modules_mamba as check
+    except ImportError:  # a PEFT without the check refuses nothing up front
+        return {}
+    config = LoraConfig(target_modules=["placeholder"])
+    refused = {}
+    for name in names:
+        try:
+            check(config, model, name.rsplit(".", 1)[-1])
+        except ValueError as e:
+            refused[name] = str(e).split(". Please")[0]
+    return refused
+
+
+def gradient_checkpointing_support(model) -> bool:
+    return bool(getattr(type(model), "supports_gradient_checkpointing", False))

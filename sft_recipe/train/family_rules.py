@@ -1,0 +1,80 @@
+"""What a model family allows, read from the model class, its config and the libraries' own declarations on the
+meta device (sft_recipe/model_reach.py), never from a list of family names. Each refusal comes before any weight
+loads, with what works instead:
+
+- not a decoder-only causal LM: the class holds parameters outside its backbone and output head (a BERT-style
+  prediction head, ELECTRA's generator head), which TRL's fused LM head never runs -- and such models attend both
+  ways, so next-token training on them is not a causal LM's;
+- `--gradient_checkpointing True` on a class that declares `supports_gradient_checkpointing = False` (CTRL,
+  OpenAI-GPT, JetMoE, ...: transformers raises after the load);
+- `--packing True` where the model's sequence-mixing functions fall back on torch code that cannot keep packed
+  sequences apart without a kernel package (compat/hub_kernels.py: Mamba, hybrids, linear attention);
+- `--lora_target_modules` naming linears the training forward never calls, or that PEFT refuses for this model
+  type (all-linear leaves both out, and says so: model_structure.LoraTargets.note).
+"""
+
+from __future__ import annotations
+
+from sft_recipe.compat.hub_kernels import packing_kernel_gaps
+from sft_recipe.model_reach import (
+    gradient_checkpointing_support,
+    head_bypassed_modules,
+    peft_refused,
+    reached_linears,
+)
+from sft_recipe.model_shape import is_linear
+from sft_recipe.model_structure import parse_target_modules
+
+
+def family_problems(model_args, t, model) -> list[str]:
+    """The refusals above for `model` (built on the meta device from model_args' config)."""
+    name = f"{type(model).__name__} ({model.config.model_type})"
+    problems = []
+    bypassed = head_bypassed_modules(model)
+    if bypassed:
+        problems.append(
+            f"--model_name_or_path {model_args.model_name_or_path}: {name} is not a decoder-only causal LM: its "
+            f"output head also needs {', '.join(bypassed[:3])}, which TRL's SFTTrainer never runs (it scores "
+            "tokens with the output head applied straight to the backbone's last hidden state), and models of "
+            "this layout (BERT-, ELECTRA-, RoBERTa-style) attend in both directions. Fix: fine-tune a decoder-only "
+            "model (Llama, Qwen, Mistral, Gemma, ...); see docs/models.md.")
+    if getattr(t, "gradient_checkpointing", False) and not gradient_checkpointing_support(model):
+        problems.append(
+            f"--gradient_checkpointing True: {name} does not support activation checkpointing (its class declares "
+            "supports_gradient_checkpointing = False; transformers would raise after the weights load). Fix: "
+            "--gradient_checkpointing False (activations then take more memory: see `python -m sft_recipe.plan`).")
+    gaps = packing_kernel_gaps(type(model))
+    if getattr(t, "packing", False) and gaps:
+        functions = sorted(f for fs in gaps.values() for f in fs)
+        problems.append(
+            f"--packing True: {name} mixes tokens with {', '.join(functions[:4])}, whose torch fallback cannot keep "
+            f"packed sequences apart without {' and '.join(sorted(gaps))} (transformers raises mid-step, or lets a "
+            "convolution run across documents). Fix: --packing False, or install "
+            f"{' '.join(sorted(gaps))} (CUDA kernels) on every machine.")
+    if model_args.use_peft_lora:
+        problems += _named_target_problems(model_args, model)
+    return problems
+
+
+def _named_target_problems(model_args, model) -> list[str]:
+    parsed = parse_target_modules(model_args.lora_target_modules)
+    if parsed == "all-linear" or not parsed:
+        return []
+    wanted = {leaf for leaf in parsed if leaf != "all-linear"}
+    named = sorted(n for n, m in model.named_modules()
+                   if is_linear(m) and n.rsplit(".", 1)[-1] in wanted)
+    problems = []
+    reached = reached_linears(model)
+    idle = [n for n in named if n not in reached] if reached is not None else []
+    if idle:
+        problems.append(
+            f"--lora_target_modules: {len(idle)} of the linears it names are never called by this model's training "
+            f"forward (e.g. {', '.join(idle[:3])}: cross-attention to an encoder it does not have here, or a weight "
+            "a kernel reads directly): their LoRA would stay at zero and the adapter check would fail after "
+            "training. Fix: all-linear (which leaves them out), or name only modules the forward calls.")
+    refused = peft_refused(model, named)
+    if refused:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in refused})
+        problems.append(f"--lora_target_modules: PEFT refuses {leaves} on this model: "
+                        f"{next(iter(refused.values()))}. Fix: drop them, or all-linear (which leaves them out).")
+    return problems
