@@ -19,14 +19,20 @@ import torch.distributed as dist
 import transformers  # lazy: its submodules load after sft_recipe set the library log levels (sft_recipe/__init__)
 
 from sft_recipe import compat
-from sft_recipe.artifacts.adapter import save_final_adapter
+from sft_recipe.artifacts.adapter import ADAPTER_CHECK_EXIT_CODE, AdapterCheckError, save_final_adapter
 from sft_recipe.artifacts.checkpoints import (
     intact_checkpoints,
     move_damaged_aside,
     move_previous_run_aside,
     resolve_resume,
 )
-from sft_recipe.artifacts.disk_full import DISK_FULL_EXIT_CODE, DiskFull, is_disk_full, unguarded_disk_full
+from sft_recipe.artifacts.disk_full import (
+    DISK_FULL_EXIT_CODE,
+    DiskFull,
+    SaveFailedElsewhere,
+    is_disk_full,
+    unguarded_disk_full,
+)
 from sft_recipe.artifacts.run_hold import release_run_hold, take_run_hold
 from sft_recipe.config.args import parse_args
 from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
@@ -165,7 +171,8 @@ def print_memory_plan_and_exit(model_args, data_args, recipe_args, training_args
 
 def run(launch: LaunchEnv) -> int:
     """Entry point, exit codes (docs/reliability.md): 0 done; 2 a user mistake, listed without a traceback; 4 diverged;
-    74 a full disk at a save (the newest intact checkpoint kept); 75 preempted and 130 Ctrl-C, both checkpointed."""
+    5 a saved adapter failed its check (kept in adapter-FAILED-CHECK/, nothing replaced); 74 a full disk at a save
+    (the newest intact checkpoint kept); 75 preempted and 130 Ctrl-C, both checkpointed."""
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
     try:
         main(None, launch)
@@ -189,6 +196,13 @@ def run(launch: LaunchEnv) -> int:
         if launch.is_main_process or not isinstance(e, DiskFull):
             print(f"disk full: {e if isinstance(e, DiskFull) else unguarded_disk_full(e)}", file=sys.stderr, flush=True)
         return DISK_FULL_EXIT_CODE
+    except AdapterCheckError as e:  # the main process checked what it wrote; the other ranks learn it below
+        print(f"error: {e}\nNothing was replaced: a previous adapter in --output_dir stays as it was. Please report "
+              "the model and flags (docs/models.md lists what each family allows).", file=sys.stderr, flush=True)
+        return ADAPTER_CHECK_EXIT_CODE
+    except SaveFailedElsewhere as e:  # another rank's save failed: its own message says how (5 for a failed check)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C before training began, or a second one during it: abort, no traceback
         if launch.is_main_process:
             print("aborted by Ctrl-C: nothing more was saved (a checkpoint being written is left unmarked, and "

@@ -5,10 +5,12 @@ transformers and peft only.
 - `backbone`: the module TRL's SFTTrainer runs before the output head. Its fused LM head (TRL 1.16, always on) calls
   `model.base_model` and multiplies the last hidden state by the output head's weight: anything else the causal LM
   holds is skipped (`head_bypassed_modules`).
-- `reached_linears`: the linear layers (`is_linear`) whose forward that backbone calls, seen by running it once on
-  the meta device with a few token ids (shapes only, no arithmetic). Cross-attention of a decoder built for an encoder
-  (TrOCR, Marian, Whisper) and projections whose weight a kernel reads directly (Mamba's `dt_proj`) are never
-  called: LoRA there would stay at zero, so all-linear leaves them out and a named target there is refused.
+- `reached_linears`: the linear layers (`is_linear`) that backbone calls *and* whose output the loss's gradient
+  reaches, seen by one forward and backward on the meta device with a few token ids (shapes only, no arithmetic).
+  Cross-attention of a decoder built for an encoder (TrOCR, Marian, Whisper) and projections whose weight a kernel
+  reads directly (Mamba's `dt_proj`) are never called; a top-k indexer's projections (DeepSeek-V3.2-style sparse
+  attention) are called but only select: LoRA there would stay at zero, so all-linear leaves them out and a named
+  target there is refused.
   None when the backbone cannot run on the meta device (a data-dependent op): nothing is left out then.
 - `peft_refused`: the module names PEFT's own compatibility check refuses for this model (PEFT 0.21 keeps Mamba-based
   models' `out_proj`/`conv1d` out of LoRA), asked of PEFT with each name.
@@ -60,28 +62,42 @@ def head_bypassed_modules(model) -> list[str]:
 
 
 def reached_linears(model, tokens: int = 8) -> set[str] | None:
-    """Full names of the nn.Linear modules the backbone's training forward calls (the module docstring), from a
-    twin of the model on the meta device (bf16: fused-expert kernels take no fp32; eager attention)."""
+    """Full names of the linear layers that training can change: the backbone's forward calls them and the loss's
+    gradient reaches their output (so a LoRA beside them would move). Seen on a twin of the model on the meta device
+    (bf16: fused-expert kernels take no fp32; eager attention), one forward and one backward of a few token ids.
+    A linear whose output only feeds a selection (DeepSeek-V3.2's top-k indexer) is called but gets no gradient."""
     config = copy.deepcopy(model.config)
     try:
         with torch.device("meta"):
             twin = type(model)._from_config(config, dtype=torch.bfloat16, attn_implementation="eager")
     except Exception:  # noqa: BLE001 -- a class that cannot be rebuilt so is simply not probed
         return None
-    called: set[str] = set()
-    hooks = [m.register_forward_hook(lambda module, args, out, name=name: called.add(name))
+    trained: set[str] = set()
+
+    def watch(module, args, out, name):
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad: trained.add(name))
+
+    hooks = [m.register_forward_hook(lambda module, args, out, name=name: watch(module, args, out, name))
              for name, m in twin.named_modules() if is_linear(m)]
     twin.train()
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
     try:
-        with torch.no_grad():
-            backbone(twin)(input_ids=ids)  # with its default cache: the no-cache path asks .item() of a mask
+        for attempt in ({}, {"use_cache": False}):  # the default cache first: the no-cache path of most models asks
+            try:                                  # .item() of a mask; a hybrid's cache of linear layers needs none
+                out = backbone(twin)(input_ids=ids, **attempt)
+                break
+            except Exception:  # noqa: BLE001 -- tried again without the cache, then given up below
+                if attempt:
+                    raise
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        hidden.float().sum().backward()
     except Exception:  # noqa: BLE001 -- data-dependent ops cannot run on meta: unknown, so nothing is left out
         return None
     finally:
         for hook in hooks:
             hook.remove()
-    return called
+    return trained
 
 
 def peft_refused(model, names) -> dict[str, str]:

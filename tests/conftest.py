@@ -26,6 +26,17 @@ def pytest_collection_modifyitems(items):
         item.add_marker({"unit": pytest.mark.unit, "e2e": pytest.mark.e2e}.get(parts[0], pytest.mark.cli))
 
 
+@pytest.fixture()
+def keep_signal_handlers():
+    """train.run installs SIGTERM/SIGUSR1/SIGINT handlers for training; a run that ends early leaves them."""
+    import signal
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """The embedded default (tiny Llama + tokenizer + chat data), built once per test session."""

@@ -23,6 +23,9 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
+ADAPTER_CHECK_EXIT_CODE = 5  # a saved adapter failed its check: kept apart for inspection, nothing replaced
+
+
 class AdapterCheckError(RuntimeError):
     pass
 

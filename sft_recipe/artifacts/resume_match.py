@@ -39,9 +39,16 @@ def model_folder(name_or_path: str) -> Path | None:
     return Path(found).parent if isinstance(found, str) else None
 
 
+def _shape_value(text, key):
+    try:
+        return getattr(text, key, None)
+    except RuntimeError:  # transformers 5.24: a per-layer attribute of a heterogeneous config refuses a global read
+        return text.to_dict().get(key)  # what its config.json states globally (the per-layer overrides beside it)
+
+
 def config_shape(config) -> dict:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    shape = {key: getattr(text, key, None) for key in SHAPE_KEYS}
+    shape = {key: _shape_value(text, key) for key in SHAPE_KEYS}
     shape["model_type"] = getattr(config, "model_type", None)
     return shape
 

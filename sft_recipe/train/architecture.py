@@ -115,6 +115,8 @@ def architecture_problems(model_args: ModelArguments, t, launch=None) -> list[st
     """What this model's family cannot do as asked (`t`: the training arguments), found from its config before any
     weight loads."""
     trust_remote_code = bool(getattr(t, "trust_remote_code", False))
+    if (problem := unbuildable_problem(model_args, trust_remote_code)) is not None:
+        return [problem]
     try:
         problems = [p for p in [flash_attention_problem(model_args, trust_remote_code),
                                 tied_training_problem(model_args, trust_remote_code, launch)] if p]
@@ -124,6 +126,26 @@ def architecture_problems(model_args: ModelArguments, t, launch=None) -> list[st
     except Exception:  # an unreadable config is named by the model-path checks
         return []
     return problems + target_parameter_problems(model_args, trust_remote_code)
+
+
+def unbuildable_problem(model_args: ModelArguments, trust_remote_code: bool = False) -> str | None:
+    """A config that reads but that AutoModelForCausalLM cannot build (Emu3's saved text config is registered for no
+    causal-LM class in transformers 5.24): said before the load, in the library's words. None when it builds, or
+    when the config itself cannot be read (the model-path checks name that)."""
+    from sft_recipe.model_shape import read_config
+
+    try:
+        config = read_config(model_args.model_name_or_path, trust_remote_code)
+    except Exception:  # noqa: BLE001 -- unreadable: named by the model-path checks
+        return None
+    try:
+        _meta(model_args.model_name_or_path, trust_remote_code)
+    except Exception as e:  # noqa: BLE001 -- whatever transformers raises, quoted
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return (f"--model_name_or_path {model_args.model_name_or_path}: transformers cannot build a causal LM from "
+                f"its config (model_type {getattr(config, 'model_type', '?')}: {first}). Fix: a checkpoint whose "
+                "config.json names a model type AutoModelForCausalLM maps (docs/models.md#every-causal-lm-type).")
+    return None
 
 
 def tied_training_problem(model_args: ModelArguments, trust_remote_code: bool = False, launch=None) -> str | None:

@@ -9,6 +9,7 @@ loads, with what works instead:
   OpenAI-GPT, JetMoE, ...: transformers raises after the load);
 - `--packing True` where the model's sequence-mixing functions fall back on torch code that cannot keep packed
   sequences apart without a kernel package (compat/hub_kernels.py: Mamba, hybrids, linear attention);
+- a router auxiliary loss (TRL computes Mixtral's) on a model without routed experts of that kind;
 - `--lora_target_modules` naming linears the training forward never calls, or that PEFT refuses for this model
   type (all-linear leaves both out, and says so: model_structure.LoraTargets.note).
 """
@@ -23,7 +24,7 @@ from sft_recipe.model_reach import (
     reached_linears,
 )
 from sft_recipe.model_shape import is_linear
-from sft_recipe.model_structure import parse_target_modules
+from sft_recipe.model_structure import expert_blocks, parse_target_modules
 
 
 def family_problems(model_args, t, model) -> list[str]:
@@ -51,9 +52,26 @@ def family_problems(model_args, t, model) -> list[str]:
             f"packed sequences apart without {' and '.join(sorted(gaps))} (transformers raises mid-step, or lets a "
             "convolution run across documents). Fix: --packing False, or install "
             f"{' '.join(sorted(gaps))} (CUDA kernels) on every machine.")
+    problems += _router_loss_problems(t, model, name)
     if model_args.use_peft_lora:
         problems += _named_target_problems(model_args, model)
     return problems
+
+
+def _router_loss_problems(t, model, name: str) -> list[str]:
+    """TRL 1.16 computes the router's load-balancing loss itself, as Mixtral's (per-layer logits over E routed
+    experts), whenever the config declares `output_router_logits` and the coefficient is not 0. A model that
+    declares one but holds no routed experts of that kind (Doge's and Flint's product-key experts) dies in it at the
+    first step ("tuple index out of range")."""
+    text = model.config.get_text_config()
+    coef = getattr(t, "router_aux_loss_coef", None)
+    coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
+    if not hasattr(text, "output_router_logits") or not coef or expert_blocks(model):
+        return []
+    return [f"--router_aux_loss_coef {coef}: {name} declares a router auxiliary loss, but holds no routed experts "
+            "of the kind TRL's load-balancing loss describes (experts x out x in weights, or a list of expert MLPs "
+            "beside a router), and TRL computes that loss for every such config at the first step. Fix: "
+            "--router_aux_loss_coef 0 (trains without the balancing term)."]
 
 
 def _named_target_problems(model_args, model) -> list[str]:

@@ -1,5 +1,7 @@
 """The adapter check catches every way a saved adapter can be silently broken."""
 
+import sys
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -152,3 +154,35 @@ def test_an_embedding_trained_in_full_passes_with_and_without_a_resized_vocabula
     assert any("original_module" in k for k in saved) == resized  # the embedding layers saved beside it
     report = check_adapter(str(tmp_path / "adapter"))
     assert report.ok, report.summary()
+
+
+def test_a_failed_check_at_the_final_save_exits_5_with_the_message_and_the_files_kept(tiny, tmp_path, monkeypatch,
+                                                                                       capsys, keep_signal_handlers):
+    """A real run whose final adapter fails its check (the check's verdict forced: every cause the recipe knows is
+    refused before training now) ends with exit 5 and the report, never a traceback."""
+    import train
+    from sft_recipe.artifacts import adapter as adapter_module
+    from sft_recipe.artifacts.adapter import ADAPTER_CHECK_EXIT_CODE, AdapterReport
+    from sft_recipe.config.launch_env import LaunchEnv
+
+    real = adapter_module.check_adapter
+
+    def failing(folder, **kwargs):
+        report = real(folder, **kwargs)
+        return AdapterReport(report.adapter_dir, report.tensors, report.lora_tensors,
+                             ["1 lora_B tensors are all zeros after training (never updated), e.g. ['x.lora_B']"])
+
+    monkeypatch.setattr(adapter_module, "check_adapter", failing)
+    out = tmp_path / "run"
+    argv = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir), "--output_dir",
+            str(out), "--use_peft_lora", "True", "--lora_target_modules", "all-linear", "--max_seq_len", "64",
+            "--max_steps", "1", "--save_strategy", "no", "--report_to", "none", "--eval_strategy", "no",
+            "--bf16", "False", "--per_device_train_batch_size", "2"]
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    capsys.readouterr()
+    code = train.run(LaunchEnv())
+    captured = capsys.readouterr()
+    assert code == ADAPTER_CHECK_EXIT_CODE and "Traceback" not in captured.err + captured.out
+    assert "adapter check FAILED" in captured.err and "lora_B tensors are all zeros" in captured.err
+    assert f"kept in {out / 'adapter-FAILED-CHECK'}" in captured.err and "Nothing was replaced" in captured.err
+    assert (out / "adapter-FAILED-CHECK" / ADAPTER_WEIGHTS).is_file() and not (out / ADAPTER_WEIGHTS).exists()

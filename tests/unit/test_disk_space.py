@@ -47,15 +47,6 @@ def _fake_free(monkeypatch, free_bytes):
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10 * free_bytes, 9 * free_bytes, free_bytes))
 
 
-@pytest.fixture()
-def keep_signal_handlers():
-    """train.run installs SIGTERM/SIGUSR1/SIGINT handlers for training; a run that ends early leaves them."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-
-
 def _train(argv, monkeypatch, capsys) -> tuple[int, str]:
     """train.py's entry point in this process, for real (weights, training, saves): (exit code, stderr)."""
     import train

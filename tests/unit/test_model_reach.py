@@ -156,3 +156,34 @@ def test_trls_fused_head_finds_llama4_texts_decoder_and_granitemoes_expert_count
     mixtral = _meta("MixtralConfig")
     _name_the_expert_count(mixtral)  # a config that answers to the name is left as it is
     assert "num_experts" not in mixtral.config.to_dict() or mixtral.config.num_experts == 4
+
+
+def test_a_router_loss_without_routed_experts_of_mixtrals_kind_is_refused_with_the_coefficient_to_set():
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    config = transformers.DogeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, is_moe=True,
+                                     num_experts=16, num_experts_per_tok=4)
+    with torch.device("meta"):
+        doge = AutoModelForCausalLM.from_config(config)
+    model_args, t = _args(packing=False)
+    (problem,) = family_problems(model_args, SimpleNamespace(**vars(t), router_aux_loss_coef=None), doge)
+    assert problem.startswith("--router_aux_loss_coef") and "Fix: --router_aux_loss_coef 0" in problem
+    assert family_problems(model_args, SimpleNamespace(**vars(t), router_aux_loss_coef=0.0), doge) == []
+    mixtral = SimpleNamespace(**vars(t), router_aux_loss_coef=None)
+    assert family_problems(model_args, mixtral, _meta("MixtralConfig")) == []  # its experts are what TRL's loss fits
+
+
+def test_a_config_transformers_cannot_build_as_a_causal_lm_is_refused_before_the_load(tmp_path):
+    import transformers
+
+    from sft_recipe.train.architecture import architecture_problems
+
+    transformers.Emu3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=128).save_pretrained(str(tmp_path))
+    model_args = SimpleNamespace(model_name_or_path=str(tmp_path), use_peft_lora=True,
+                                 lora_target_modules="all-linear", use_flash_attn=False)
+    (problem,) = architecture_problems(model_args, SimpleNamespace(trust_remote_code=False))
+    assert "transformers cannot build a causal LM from its config (model_type emu3_text_model" in problem
+    assert "Fix:" in problem
