@@ -9,8 +9,9 @@ transformers and peft only.
   reaches, seen by one forward and backward on the meta device with a few token ids (shapes only, no arithmetic).
   Cross-attention of a decoder built for an encoder (TrOCR, Marian, Whisper) and projections whose weight a kernel
   reads directly (Mamba's `dt_proj`) are never called; a top-k indexer's projections (DeepSeek-V3.2-style sparse
-  attention) are called but only select: LoRA there would stay at zero, so all-linear leaves them out and a named
-  target there is refused.
+  attention) are called but only select; a linear subclass whose forward takes or gives other widths than its
+  weight's (DeepSeek-V4's grouped output projection) cannot carry LoRA's added output: all-linear leaves these out
+  and a named target there is refused.
   None when the backbone cannot run on the meta device (a data-dependent op): nothing is left out then.
 - `peft_refused`: the module names PEFT's own compatibility check refuses for this model (PEFT 0.21 keeps Mamba-based
   models' `out_proj`/`conv1d` out of LoRA), asked of PEFT with each name.
@@ -23,7 +24,7 @@ import copy
 
 import torch
 
-from sft_recipe.model_shape import is_linear
+from sft_recipe.model_shape import features, is_linear
 
 
 def decoder_of(model):
@@ -73,9 +74,15 @@ def reached_linears(model, tokens: int = 8) -> set[str] | None:
     except Exception:  # noqa: BLE001 -- a class that cannot be rebuilt so is simply not probed
         return None
     trained: set[str] = set()
+    misfits: set[str] = set()
 
     def watch(module, args, out, name):
-        if isinstance(out, torch.Tensor) and out.requires_grad:
+        # LoRA adds lora_B(lora_A(x)) of shape [..., out_features] to the output: a linear subclass whose forward
+        # takes or gives other widths (DeepSeek-V4's grouped o_a_proj) cannot carry one.
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is None or not isinstance(out, torch.Tensor) or (x.shape[-1], out.shape[-1]) != features(module):
+            misfits.add(name)
+        elif out.requires_grad:
             out.register_hook(lambda grad: trained.add(name))
 
     hooks = [m.register_forward_hook(lambda module, args, out, name=name: watch(module, args, out, name))
@@ -97,7 +104,8 @@ def reached_linears(model, tokens: int = 8) -> set[str] | None:
     finally:
         for hook in hooks:
             hook.remove()
-    return trained
+    trained -= misfits
+    return trained or None  # none at all: the probe saw nothing it can trust (RWKV's recurrence on meta), unknown
 
 
 def peft_refused(model, names) -> dict[str, str]:

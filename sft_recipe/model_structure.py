@@ -4,7 +4,8 @@ of a multimodal model, and what `--lora_target_modules` means for the model. The
 transformers and peft only.
 
 Rules (every MoE family transformers 5 builds follows them; tests/unit/test_model_structure.py checks them):
-- Routed experts: a module holding its own 3-D parameters (experts x out x in) with one leading dimension E >= 2 --
+- Routed experts: a module holding its own 3-D parameters (experts x out x in), E the largest leading size, E >= 2
+  (or E = 1 in two or more of them) --
   transformers 5 fuses Mixtral, Qwen3-MoE, DeepSeek-V3, GraniteMoE, PhiMoE, ... this way -- torch's convolutions
   excepted (a Conv1d weight is 3-D too: Qwen3-Next's linear attention); or, as remote-code models keep them, a
   ModuleList of E >= 2 modules of one class, each an MLP (>= 2 nn.Linear, no ModuleList inside), in a block that
@@ -72,11 +73,16 @@ def _linears(module) -> int:
 
 
 def _fused_experts(module) -> int:
-    """E when `module` holds fused routed experts (own 3-D parameters sharing a leading dimension E >= 2), else 0."""
+    """E when `module` holds fused routed experts (own 3-D parameters, experts first: E >= 2, or two or more of them
+    -- a config with one routed expert, as Hunyuan-MoE's default), else 0. E is the largest leading size: LongCat-Flash
+    fuses its zero-computation experts into gate_up_proj (768) but not down_proj (512), and routes over all 768."""
     if isinstance(module, torch.nn.modules.conv._ConvNd):
         return 0
-    leading = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3}
-    return leading.pop() if len(leading) == 1 and min(leading | {2}) >= 2 else 0
+    # Matrices per expert (out x in, both >= 2): RWKV's (1, 1, hidden) time-mix vectors are no experts.
+    shapes = [p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3 and min(p.shape[1:]) >= 2]
+    if not shapes:
+        return 0
+    return max(shapes) if max(shapes) >= 2 or len(shapes) >= 2 else 0
 
 
 def _listed_experts(module, parent) -> int:
@@ -204,7 +210,7 @@ class LoraTargets:
     modules: frozenset[str] = field(default_factory=frozenset)  # the modules PEFT adapts with it
     left_out: tuple[str, ...] = ()                 # linears all-linear means that PEFT cannot adapt here
     rewritten: tuple[str, ...] = ()                # names PEFT turns into fused-expert parameter targets
-    unreached: tuple[str, ...] = ()                # linears the training forward never calls (model_reach)
+    unreached: tuple[str, ...] = ()                # linears training never changes (model_reach)
     refused: tuple[str, ...] = ()                  # linears PEFT's compatibility check refuses on this model
 
     def note(self) -> str | None:
@@ -220,8 +226,9 @@ class LoraTargets:
                         "(huggingface/peft#3711), so no adapter naming them loads.")
         if self.unreached:
             said.append(f"all-linear leaves {len(self.unreached)} linears out ({leaves(self.unreached)}): the "
-                        "training forward never calls them (cross-attention to an encoder this causal LM does "
-                        "not have, or a weight a kernel reads directly), so LoRA there would stay at zero.")
+                        "training forward never trains them as plain linears (cross-attention to an encoder this "
+                        "causal LM does not have, a weight a kernel reads directly, a selection with no gradient, a "
+                        "grouped projection), so LoRA there would stay at zero or not fit.")
         if self.refused:
             said.append(f"all-linear leaves {len(self.refused)} linears out ({leaves(self.refused)}): PEFT refuses "
                         "LoRA on them for this model type (incompatible with Mamba-based models).")

@@ -10,8 +10,8 @@ loads, with what works instead:
 - `--packing True` where the model's sequence-mixing functions fall back on torch code that cannot keep packed
   sequences apart without a kernel package (compat/hub_kernels.py: Mamba, hybrids, linear attention);
 - a router auxiliary loss (TRL computes Mixtral's) on a model without routed experts of that kind;
-- `--lora_target_modules` naming linears the training forward never calls, or that PEFT refuses for this model
-  type (all-linear leaves both out, and says so: model_structure.LoraTargets.note).
+- `--lora_target_modules` naming linears the training forward does not train as plain linears, or that PEFT
+  refuses for this model type (all-linear leaves both out, and says so: model_structure.LoraTargets.note).
 """
 
 from __future__ import annotations
@@ -86,10 +86,11 @@ def _named_target_problems(model_args, model) -> list[str]:
     idle = [n for n in named if n not in reached] if reached is not None else []
     if idle:
         problems.append(
-            f"--lora_target_modules: {len(idle)} of the linears it names are never called by this model's training "
-            f"forward (e.g. {', '.join(idle[:3])}: cross-attention to an encoder it does not have here, or a weight "
-            "a kernel reads directly): their LoRA would stay at zero and the adapter check would fail after "
-            "training. Fix: all-linear (which leaves them out), or name only modules the forward calls.")
+            f"--lora_target_modules: {len(idle)} of the linears it names are not trained as plain linears by this "
+            f"model's training forward (e.g. {', '.join(idle[:3])}: cross-attention to an encoder it does not have "
+            "here, a weight a kernel reads directly, a selection with no gradient, a grouped projection): their LoRA "
+            "would stay at zero or not fit. Fix: all-linear (which leaves them out), or name only plain linears the "
+            "forward trains.")
     refused = peft_refused(model, named)
     if refused:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in refused})

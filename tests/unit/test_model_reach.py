@@ -93,9 +93,9 @@ def test_cross_attention_nothing_calls_is_left_out_of_all_linear_and_refused_whe
                                                                     for n in unreached)
     targets = resolve_lora_targets("all-linear", model)
     assert not any(".encoder_attn." in n for n in targets.modules) and any(".self_attn." in n for n in targets.modules)
-    assert "never calls" in targets.note()
+    assert "never trains" in targets.note()
     (problem,) = family_problems(*_args("q_proj,v_proj"), model)
-    assert "never called" in problem and "encoder_attn" in problem and "Fix: all-linear" in problem
+    assert "not trained as plain linears" in problem and "encoder_attn" in problem and "Fix: all-linear" in problem
     assert family_problems(*_args(), model) == []
 
 
@@ -107,7 +107,7 @@ def test_mamba_all_linear_leaves_out_what_peft_refuses_and_what_is_never_called(
     targets = resolve_lora_targets("all-linear", model)
     leaves = {n.rsplit(".", 1)[-1] for n in targets.modules}
     assert leaves == {"in_proj", "x_proj"}  # out_proj refused by PEFT, dt_proj's weight read by the scan directly
-    assert "PEFT refuses" in targets.note() and "never calls" in targets.note()
+    assert "PEFT refuses" in targets.note() and "never trains" in targets.note()
     peft_model = get_peft_model(model, LoraConfig(target_modules=targets.target_modules, lora_dropout=0.1))
     assert {n.removeprefix("base_model.model.").removesuffix(".base_layer") for n, _ in peft_model.named_modules()
             if n.endswith(".base_layer")} == set(targets.modules)
