@@ -229,7 +229,7 @@ def main() -> int:
                 outcome, detail = "passes checks", ""
             else:
                 outcome, detail = train(path, tiny.jsonl_dir)
-            fix = re.search(r"Fix: (--\w+) (False|True|0)\b", detail) if outcome == "refused" else None
+            fix = re.search(r"Fix: (--\w+) (False|True|0|none)\b", detail) if outcome == "refused" else None
             if fix and not args.checks:  # the refusal's own fix, tried: it must train
                 again, why = train(path, tiny.jsonl_dir, fix.groups())
                 outcome, detail = (f"refused; {again} with {' '.join(fix.groups())}",

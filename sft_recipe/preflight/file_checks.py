@@ -180,5 +180,9 @@ def check_tokenizer(m: ModelArguments, tokenizer, resume_from: str | None, trust
                         "explains, so the tokenizer belongs to another model and its ids would train the wrong rows. "
                         "Fix: put the model's own tokenizer files in the folder (e.g. `hf download <repo> --include "
                         f"'tokenizer*' --local-dir {m.model_name_or_path}`).")
+    if rows and len(tokenizer) > rows:
+        from sft_recipe.train.family_rules import token_table_problems
+
+        problems += token_table_problems(m, len(tokenizer) - rows, trust_remote_code)
     if problems:
         raise ConfigError(problems)

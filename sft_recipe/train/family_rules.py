@@ -97,3 +97,25 @@ def _named_target_problems(model_args, model) -> list[str]:
         problems.append(f"--lora_target_modules: PEFT refuses {leaves} on this model: "
                         f"{next(iter(refused.values()))}. Fix: drop them, or all-linear (which leaves them out).")
     return problems
+
+
+def token_table_problems(model_args, added_tokens: int, trust_remote_code: bool = False) -> list[str]:
+    """Tokens the run adds (a chat format's) grow the embeddings, but not a table the model indexes by token id
+    beside them (DeepSeek-V4's hash router `tid2eid`, one row per vocabulary id): the first new id would index past
+    its end mid-step. Found on the meta device as any tensor, other than the embeddings, with one row per id."""
+    from sft_recipe.model_shape import meta_model
+
+    try:
+        model = meta_model(model_args.model_name_or_path, trust_remote_code)
+    except Exception:  # noqa: BLE001 -- an unbuildable config is refused by validation
+        return []
+    vocab = model.config.get_text_config().vocab_size
+    embeddings = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    tables = [n for n, x in [*model.named_parameters(), *model.named_buffers()]
+              if x.dim() >= 1 and x.shape[0] == vocab and id(x) not in embeddings]
+    if not tables:
+        return []
+    return [f"--chat_template_format {model_args.chat_template_format}: it adds {added_tokens} tokens, but "
+            f"{type(model).__name__} indexes {', '.join(tables[:2])} by token id with one row per id of its "
+            f"{vocab}, which growing the embeddings does not grow: the first new id would fail mid-step. Fix: "
+            "--chat_template_format none (the tokenizer's own template and tokens)."]

@@ -114,3 +114,24 @@ def test_a_family_of_each_class_trains_saves_a_verified_adapter_and_loads(cell, 
     model = AutoPeftModelForCausalLM.from_pretrained(str(out))
     trained = [n for n, p in model.named_parameters() if "lora_B" in n]
     assert trained and all(model.get_parameter(n).abs().sum() > 0 for n in trained)
+
+
+def test_a_table_indexed_by_token_id_refuses_the_tokens_a_chat_format_adds(tokenizer, tmp_path):
+    """DeepSeek-V4's hash router holds one row per vocabulary id: the chat format's new ids would index past it."""
+    from sft_recipe.train.family_rules import token_table_problems
+
+    for model_type, refused in (("deepseek_v4", True), ("llama", False), ("qwen2", False)):
+        folder = tmp_path / model_type
+        families.tiny_config(model_type, tokenizer).save_pretrained(str(folder))
+        args = SimpleNamespace(model_name_or_path=str(folder), chat_template_format="chatml")
+        problems = token_table_problems(args, added_tokens=3)
+        assert bool(problems) == refused, (model_type, problems)
+    assert "tid2eid" in _problems_of(tmp_path / "deepseek_v4") and "Fix: --chat_template_format none" in \
+        _problems_of(tmp_path / "deepseek_v4")
+
+
+def _problems_of(folder) -> str:
+    from sft_recipe.train.family_rules import token_table_problems
+
+    return " ".join(token_table_problems(SimpleNamespace(model_name_or_path=str(folder),
+                                                         chat_template_format="chatml"), added_tokens=3))

@@ -148,6 +148,7 @@ def test_the_exit_code_table_is_the_codes_train_py_returns():
     """docs/reliability.md's table lists every exit code train.py has, and only those."""
     import re
 
+    from sft_recipe.artifacts.adapter import ADAPTER_CHECK_EXIT_CODE
     from sft_recipe.artifacts.disk_full import DISK_FULL_EXIT_CODE
     from sft_recipe.train.divergence import DIVERGED_EXIT_CODE
     from sft_recipe.train.preemption import PREEMPTED_EXIT_CODE
@@ -156,4 +157,5 @@ def test_the_exit_code_table_is_the_codes_train_py_returns():
     text = (REPO / "docs" / "reliability.md").read_text()
     table = text.split("## Exit codes of `train.py`")[1].split("\n## ")[0]
     documented = {int(code) for code in re.findall(r"^\| (\d+) \|", table, flags=re.M)}
-    assert documented == {0, 2, 3, DIVERGED_EXIT_CODE, DISK_FULL_EXIT_CODE, PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE}
+    assert documented == {0, 2, 3, DIVERGED_EXIT_CODE, ADAPTER_CHECK_EXIT_CODE, DISK_FULL_EXIT_CODE,
+                          PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE}
