@@ -171,7 +171,9 @@ def train(path: Path, data_dir: Path, extra: tuple[str, ...] = ()) -> tuple[str,
         last = [line for line in text.splitlines() if re.match(r"^\w*(Error|Exception)\b", line)]
         return "traceback", (last[-1] if last else text.strip().splitlines()[-1])[:160]
     if proc.returncode == 2:
-        error = next((line for line in text.splitlines() if "Fix:" in line or "error" in line.lower()), "")
+        lines = text.splitlines()
+        error = next((line for line in lines if line.startswith("  - ") and "Fix:" in line), None) or \
+            next((line for line in lines if line.startswith("error")), "")
         return "refused", error.strip()
     if proc.returncode != 0 or "adapter check OK" not in text:
         return "failed", f"exit {proc.returncode}: {text.strip().splitlines()[-1][:140]}"

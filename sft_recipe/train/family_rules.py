@@ -2,9 +2,9 @@
 meta device (sft_recipe/model_reach.py), never from a list of family names. Each refusal comes before any weight
 loads, with what works instead:
 
-- not a decoder-only causal LM: the class holds parameters outside its backbone and output head (a BERT-style
-  prediction head, ELECTRA's generator head), which TRL's fused LM head never runs -- and such models attend both
-  ways, so next-token training on them is not a causal LM's;
+- no decoder-only causal-LM layout TRL can train: the class holds parameters outside its backbone and output head
+  (a BERT-style prediction head, ELECTRA's generator head), which TRL's fused LM head never runs -- and most such
+  models are encoders that attend both ways;
 - `--gradient_checkpointing True` on a class that declares `supports_gradient_checkpointing = False` (CTRL,
   OpenAI-GPT, JetMoE, ...: transformers raises after the load);
 - `--packing True` where the model's sequence-mixing functions fall back on torch code that cannot keep packed
@@ -34,11 +34,12 @@ def family_problems(model_args, t, model) -> list[str]:
     bypassed = head_bypassed_modules(model)
     if bypassed:
         problems.append(
-            f"--model_name_or_path {model_args.model_name_or_path}: {name} is not a decoder-only causal LM: its "
-            f"output head also needs {', '.join(bypassed[:3])}, which TRL's SFTTrainer never runs (it scores "
-            "tokens with the output head applied straight to the backbone's last hidden state), and models of "
-            "this layout (BERT-, ELECTRA-, RoBERTa-style) attend in both directions. Fix: fine-tune a decoder-only "
-            "model (Llama, Qwen, Mistral, Gemma, ...); see docs/models.md.")
+            f"--model_name_or_path {model_args.model_name_or_path}: {name} has no decoder-only causal-LM layout TRL "
+            f"can train: its output head also needs {', '.join(bypassed[:3])}, which TRL's SFTTrainer never runs (it "
+            "scores tokens with the output head applied straight to the backbone's last hidden state), so the loss "
+            "would not be this model's; most models of this layout (BERT-, ELECTRA-, RoBERTa-style) are encoders "
+            "that attend both ways. Fix: fine-tune a decoder-only model (Llama, Qwen, Mistral, Gemma, ...); see "
+            "docs/models.md.")
     if getattr(t, "gradient_checkpointing", False) and not gradient_checkpointing_support(model):
         problems.append(
             f"--gradient_checkpointing True: {name} does not support activation checkpointing (its class declares "
@@ -102,7 +103,8 @@ def _named_target_problems(model_args, model) -> list[str]:
 def token_table_problems(model_args, added_tokens: int, trust_remote_code: bool = False) -> list[str]:
     """Tokens the run adds (a chat format's) grow the embeddings, but not a table the model indexes by token id
     beside them (DeepSeek-V4's hash router `tid2eid`, one row per vocabulary id): the first new id would index past
-    its end mid-step. Found on the meta device as any tensor, other than the embeddings, with one row per id."""
+    its end mid-step. Found on the meta device as any tensor, other than the embeddings, with one row per id. And
+    the resize itself, tried on the meta device: a class whose resize fails (xLSTM) is refused here too."""
     from sft_recipe.model_shape import meta_model
 
     try:
@@ -110,10 +112,18 @@ def token_table_problems(model_args, added_tokens: int, trust_remote_code: bool 
     except Exception:  # noqa: BLE001 -- an unbuildable config is refused by validation
         return []
     vocab = model.config.get_text_config().vocab_size
-    embeddings = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    embeddings = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+                  for p in m.parameters()}  # the resize grows these (an output head's bias too: Phi)
     tables = [n for n, x in [*model.named_parameters(), *model.named_buffers()]
               if x.dim() >= 1 and x.shape[0] == vocab and id(x) not in embeddings]
     if not tables:
+        try:  # the resize the load will do, done on the meta device: xLSTM's _init_weights fails in it (5.24)
+            model.resize_token_embeddings(vocab + added_tokens, mean_resizing=False)
+        except Exception as e:  # noqa: BLE001 -- whatever transformers raises, quoted
+            return [f"--chat_template_format {model_args.chat_template_format}: it adds {added_tokens} tokens, and "
+                    f"transformers cannot grow {type(model).__name__}'s embeddings for them "
+                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Fix: --chat_template_format "
+                    "none (the tokenizer's own template and tokens)."]
         return []
     return [f"--chat_template_format {model_args.chat_template_format}: it adds {added_tokens} tokens, but "
             f"{type(model).__name__} indexes {', '.join(tables[:2])} by token id with one row per id of its "

@@ -120,7 +120,7 @@ def test_a_table_indexed_by_token_id_refuses_the_tokens_a_chat_format_adds(token
     """DeepSeek-V4's hash router holds one row per vocabulary id: the chat format's new ids would index past it."""
     from sft_recipe.train.family_rules import token_table_problems
 
-    for model_type, refused in (("deepseek_v4", True), ("llama", False), ("qwen2", False)):
+    for model_type, refused in (("deepseek_v4", True), ("xlstm", True), ("llama", False), ("qwen2", False)):
         folder = tmp_path / model_type
         families.tiny_config(model_type, tokenizer).save_pretrained(str(folder))
         args = SimpleNamespace(model_name_or_path=str(folder), chat_template_format="chatml")

@@ -75,7 +75,7 @@ def test_a_bert_style_prediction_head_is_not_a_causal_lm_and_is_refused():
     model = _meta("BertConfig")
     assert "cls.predictions.transform.dense" in reach.head_bypassed_modules(model)
     (problem,) = family_problems(*_args(), model)
-    assert "not a decoder-only causal LM" in problem and "cls.predictions" in problem and "Fix:" in problem
+    assert "no decoder-only causal-LM layout" in problem and "cls.predictions" in problem and "Fix:" in problem
 
 
 def test_a_class_without_activation_checkpointing_is_refused_only_when_asked_for_it():
