@@ -62,11 +62,28 @@ def head_bypassed_modules(model) -> list[str]:
             and any(True for _ in module.parameters(recurse=False))]
 
 
-def reached_linears(model, tokens: int = 8) -> set[str] | None:
+def reached_linears(model, tokens: int = 8) -> frozenset[str] | None:
     """Full names of the linear layers that training can change: the backbone's forward calls them and the loss's
     gradient reaches their output (so a LoRA beside them would move). Seen on a twin of the model on the meta device
     (bf16: fused-expert kernels take no fp32; eager attention), one forward and one backward of a few token ids.
-    A linear whose output only feeds a selection (DeepSeek-V3.2's top-k indexer) is called but gets no gradient."""
+    A linear whose output only feeds a selection (DeepSeek-V3.2's top-k indexer) is called but gets no gradient.
+    Asked once per (class, config) in a process: the plan, the validation and the load all ask of one model."""
+    try:
+        key = (type(model), model.config.to_json_string())
+    except Exception:  # noqa: BLE001 -- a config that does not serialise is probed each time
+        key = None
+    if key is not None and key in _REACHED:
+        return _REACHED[key]
+    reached = _probe_trained_linears(model, tokens)
+    if key is not None:
+        _REACHED[key] = reached
+    return reached
+
+
+_REACHED: dict = {}
+
+
+def _probe_trained_linears(model, tokens: int) -> frozenset[str] | None:
     config = copy.deepcopy(model.config)
     try:
         with torch.device("meta"):
@@ -105,7 +122,7 @@ def reached_linears(model, tokens: int = 8) -> set[str] | None:
         for hook in hooks:
             hook.remove()
     trained -= misfits
-    return trained or None  # none at all: the probe saw nothing it can trust (RWKV's recurrence on meta), unknown
+    return frozenset(trained) or None  # none at all: nothing the probe can trust (RWKV's recurrence on meta)
 
 
 def peft_refused(model, names) -> dict[str, str]:
