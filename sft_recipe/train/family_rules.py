@@ -24,7 +24,7 @@ from sft_recipe.model_reach import (
     reached_linears,
 )
 from sft_recipe.model_shape import is_linear
-from sft_recipe.model_structure import expert_blocks, parse_target_modules
+from sft_recipe.model_structure import expert_blocks, parse_target_modules, peft_adapts
 
 
 def family_problems(model_args, t, model) -> list[str]:
@@ -79,9 +79,10 @@ def _named_target_problems(model_args, model) -> list[str]:
     parsed = parse_target_modules(model_args.lora_target_modules)
     if parsed == "all-linear" or not parsed:
         return []
-    wanted = {leaf for leaf in parsed if leaf != "all-linear"}
-    named = sorted(n for n, m in model.named_modules()
-                   if is_linear(m) and n.rsplit(".", 1)[-1] in wanted)
+    # What PEFT will adapt with the list as given (leaf names, full names, patterns), by PEFT's own matching.
+    modules = dict(model.named_modules())
+    named = sorted(n for n in peft_adapts([x for x in parsed if x != "all-linear"], model)[0]
+                   if is_linear(modules[n]))
     problems = []
     reached = reached_linears(model)
     idle = [n for n in named if n not in reached] if reached is not None else []
