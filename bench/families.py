@@ -120,9 +120,26 @@ class TinyModelBroken(Exception):
     not one the family's code runs -- a census builder limit, not a recipe failure."""
 
 
+def as_if_pretrained(model) -> int:
+    """Give every parameter whose elements are all equal (a gate or temperature initialised to 0, a scale to 1) a
+    little noise, as a released checkpoint has learnt values there. A random init's exact zeros can make a path's
+    gradient numerically zero (Doge's `A` multiplies `dt_proj`'s output, Zaya's attention temperature `temp`
+    multiplies q.k): the adapter on it would stay at zero, which no real checkpoint shows. Returns how many."""
+    import torch
+
+    changed = 0
+    with torch.no_grad():
+        for param in model.parameters():
+            flat = param.view(-1)
+            if flat.numel() > 1 and torch.equal(flat, flat[:1].expand_as(flat)):
+                param.add_(torch.randn_like(param) * 0.02)
+                changed += 1
+    return changed
+
+
 def build(model_type: str, root: Path, tokenizer) -> Path:
-    """A seeded random tiny model of the type, with the tokenizer, saved under root/<type>, after one plain
-    forward and backward of 16 tokens with labels (TinyModelBroken when that fails)."""
+    """A seeded random tiny model of the type (`as_if_pretrained`), with the tokenizer, saved under root/<type>,
+    after one plain forward and backward of 16 tokens with labels (TinyModelBroken when that fails)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -130,6 +147,7 @@ def build(model_type: str, root: Path, tokenizer) -> Path:
     config = tiny_config(model_type, tokenizer)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    as_if_pretrained(model)
     ids = torch.randint(3, len(tokenizer), (1, 16))
     try:
         model.train()

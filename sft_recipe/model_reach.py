@@ -12,7 +12,8 @@ transformers and peft only.
   attention) are called but only select; a linear subclass whose forward takes or gives other widths than its
   weight's (DeepSeek-V4's grouped output projection) cannot carry LoRA's added output: all-linear leaves these out
   and a named target there is refused.
-  None when the backbone cannot run on the meta device (a data-dependent op): nothing is left out then.
+  None when the backbone cannot run on the meta device (a data-dependent op, even on transformers' compile-time
+  branches): nothing is left out then.
 - `peft_refused`: the module names PEFT's own compatibility check refuses for this model (PEFT 0.21 keeps Mamba-based
   models' `out_proj`/`conv1d` out of LoRA), asked of PEFT with each name.
 - `gradient_checkpointing_support`: what the model class declares (`supports_gradient_checkpointing`).
@@ -20,7 +21,9 @@ transformers and peft only.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from unittest import mock
 
 import torch
 
@@ -83,6 +86,16 @@ def reached_linears(model, tokens: int = 8) -> frozenset[str] | None:
 _REACHED: dict = {}
 
 
+@contextlib.contextmanager
+def _compile_time_branches(on: bool):
+    """transformers' `is_tracing` true (it asks `torch.compiler.is_compiling`) while the probe runs, when `on`."""
+    if not on:
+        yield
+        return
+    with mock.patch("torch.compiler.is_compiling", lambda: True):
+        yield
+
+
 def _probe_trained_linears(model, tokens: int) -> frozenset[str] | None:
     config = copy.deepcopy(model.config)
     try:
@@ -106,18 +119,24 @@ def _probe_trained_linears(model, tokens: int) -> frozenset[str] | None:
              for name, m in twin.named_modules() if is_linear(m)]
     twin.train()
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    # The default cache first: the no-cache path of most models asks .item() of a mask, a hybrid's cache of linear
+    # layers needs none. Then both again with transformers' compile-time branches (`is_tracing`: no data-dependent
+    # control flow, the same modules called): the packed-sequence check of Jamba's and Inkling's masks reads a
+    # value, which meta tensors have not. Tried last so that what every other model runs stays its eager path.
+    attempts = [(cache, traced) for traced in (False, True) for cache in ({}, {"use_cache": False})]
     try:
-        for attempt in ({}, {"use_cache": False}):  # the default cache first: the no-cache path of most models asks
-            try:                                  # .item() of a mask; a hybrid's cache of linear layers needs none
-                out = backbone(twin)(input_ids=ids, **attempt)
+        for n, (cache, traced) in enumerate(attempts):
+            trained.clear()
+            misfits.clear()
+            try:
+                with _compile_time_branches(traced):
+                    out = backbone(twin)(input_ids=ids, **cache)
+                    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+                    hidden.float().sum().backward()
                 break
-            except Exception:  # noqa: BLE001 -- tried again without the cache, then given up below
-                if attempt:
-                    raise
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        hidden.float().sum().backward()
-    except Exception:  # noqa: BLE001 -- data-dependent ops cannot run on meta: unknown, so nothing is left out
-        return None
+            except Exception:  # noqa: BLE001 -- data-dependent ops cannot run on meta: the next attempt, or unknown
+                if n == len(attempts) - 1:
+                    return None
     finally:
         for hook in hooks:
             hook.remove()

@@ -66,7 +66,9 @@ def saved_embedding_rows(adapter_dir, embedding_name: str = "embed_tokens") -> i
         for key in f.keys():
             if embedding_name in key.split(".") and key.endswith(".weight") and ".lora_" not in key \
                     and "_delta" not in key:
-                return f.get_slice(key).get_shape()[0]
+                shape = f.get_slice(key).get_shape()
+                if len(shape) == 2:  # the matrix, not a norm the embedding holds (Inkling's embed_norm)
+                    return shape[0]
     return None
 
 

@@ -186,3 +186,15 @@ def test_a_failed_check_at_the_final_save_exits_5_with_the_message_and_the_files
     assert "adapter check FAILED" in captured.err and "lora_B tensors are all zeros" in captured.err
     assert f"kept in {out / 'adapter-FAILED-CHECK'}" in captured.err and "Nothing was replaced" in captured.err
     assert (out / "adapter-FAILED-CHECK" / ADAPTER_WEIGHTS).is_file() and not (out / ADAPTER_WEIGHTS).exists()
+
+
+def test_the_embedding_rows_are_read_from_the_matrix_not_a_norm_the_embedding_holds(tmp_path):
+    # Inkling's input embedding holds an RMSNorm (`embed_tokens.embed_norm.weight`, one row of hidden size): read
+    # first, it sized the expectation's vocabulary to 64 and failed a correct adapter.
+    from sft_recipe.artifacts.adapter import saved_embedding_rows
+
+    save_file({"base_model.model.model.embed_tokens.embed_norm.weight": torch.ones(64),
+               "base_model.model.model.embed_tokens.weight": torch.zeros(555, 64),
+               "base_model.model.model.layers.0.q_proj.lora_A.weight": torch.zeros(8, 64)},
+              str(tmp_path / ADAPTER_WEIGHTS))
+    assert saved_embedding_rows(tmp_path) == 555

@@ -187,3 +187,20 @@ def test_a_config_transformers_cannot_build_as_a_causal_lm_is_refused_before_the
     (problem,) = architecture_problems(model_args, SimpleNamespace(trust_remote_code=False))
     assert "transformers cannot build a causal LM from its config (model_type emu3_text_model" in problem
     assert "Fix:" in problem
+
+
+def test_a_mask_that_reads_values_is_probed_on_transformers_compile_time_branches():
+    # Jamba's no-cache mask asks whether position ids are packed (a value meta tensors have not): the eager forward
+    # fails on the meta device, the compile-time branches run. Its scan reads dt_proj's weight directly: never
+    # trained, so all-linear leaves it out (it was the census's one Jamba failure: lora_B never moved).
+    model = _meta("JambaConfig")
+    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    with pytest.raises(RuntimeError, match="meta"):
+        reach.backbone(model)(input_ids=ids, use_cache=False)
+    reach._REACHED.clear()
+    reached = reach.reached_linears(model)
+    assert reached is not None
+    assert {n.rsplit(".", 1)[-1] for n in reached} >= {"in_proj", "x_proj", "out_proj", "q_proj"}
+    assert not any(n.endswith("dt_proj") for n in reached)
+    assert "dt_proj" not in {n.rsplit(".", 1)[-1] for n in resolve_lora_targets("all-linear", model).modules}
+    assert not torch.compiler.is_compiling()  # the switch is the probe's alone
