@@ -37,7 +37,8 @@ from sft_recipe.artifacts.run_hold import release_run_hold, take_run_hold
 from sft_recipe.config.args import parse_args
 from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
 from sft_recipe.data import report as data_report
-from sft_recipe.data.prepare import dataset_flag_notes, prepare, read_splits
+from sft_recipe.data.prepare import dataset_flag_notes
+from sft_recipe.data.prepared_copy import prepare_data
 from sft_recipe.errors import ConfigError
 from sft_recipe.logs import quiet_other_ranks
 from sft_recipe.plan import plan_memory
@@ -75,18 +76,18 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
     #    converted for TRL, measured as TRL will tokenize it -- all before any weight is loaded.
     tokenizer = load_tokenizer(model_args, training_args.trust_remote_code)
     check_tokenizer(model_args, tokenizer, resume_from, training_args.trust_remote_code)  # fits model, checkpoint
-    data = prepare(read_splits(data_args), data_args, training_args.dataset_text_field, tokenizer,
-                   assistant_only_loss=training_args.assistant_only_loss)
+    data = prepare_data(data_args, training_args, tokenizer, launch)  # one process per machine; kept for the next
     for note in data.notes:  # the format each split was recognised as, and what TRL is given
         logger.info(note)
     for note in dataset_flag_notes(data_args, data.formats["train"] != "text"):
         logger.warning(note)
-    report = data_report.measure(data, tokenizer, training_args)
+    # The report is the main process's to measure, print and write (the others would only repeat it).
+    report = data_report.measure(data, tokenizer, training_args) if launch.is_main_process else None
     if data_args.preview_examples:  # show what is trained (loss-carrying tokens marked) and the report, then exit
         print_preview_and_exit(data, report, tokenizer, training_args, data_args.preview_examples, launch)
     # One block in the log + output_dir/data_report.json.
     data_report.publish(report, training_args.output_dir, launch.is_main_process)
-    datasets = data.datasets
+    datasets = data.tokenized  # TRL finds them tokenized: it only cuts or packs them
 
     # 3. Model, sized to the tokenizer; SFTTrainer wraps it with the LoRA config and FSDP.
     model = load_model(model_args, training_args, tokenizer, launch)
@@ -108,6 +109,7 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
     )
     data_report.confirm(report, trainer.train_dataset, training_args.output_dir, launch.is_main_process)
     record = RunRecord.attach(trainer, recipe_args.peak_tflops_per_device)  # how it ran, tokens/s, memory, losses
+    record.set("data", **data.preparation)  # which ranks prepared the data, which read their copy
     # Every rank stops at the same step end on SIGTERM/SIGUSR1/Ctrl-C (checkpointed) or a non-finite loss or
     # gradient norm on any rank (nothing saved).
     stopper = StopAtStepEnd(trainer, trainer.step_health if recipe_args.stop_on_nonfinite else None,

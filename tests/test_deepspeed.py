@@ -202,6 +202,8 @@ def test_zero3_trains_what_fsdp2_trains_and_the_adapter_loads(tiny, tmp_path):
         ("DEEPSPEED", "DeepSpeedEngine", 2)
     assert facts["weights"]["frozen_changed"] is False and facts["weights"]["trainable_changed"] is True
     assert "adapter check OK" in zero3.output
+    # One process prepared the data, the other read its copy.
+    assert facts["data"]["prepared_on_ranks"] == [0] and facts["data"]["read_copy_on_ranks"] == [1]
 
     fsdp2 = launch_train("cpu/fsdp2_config.yaml", tmp_path / "fsdp2", [*data, *TRAIN_FLAGS])
     assert fsdp2.returncode == 0, fsdp2.output[-5000:]

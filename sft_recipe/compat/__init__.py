@@ -40,6 +40,7 @@ from sft_recipe.compat.peft_names import (
 from sft_recipe.compat.process import exit_skipping_teardown, restore_bnb_4bit_storage_layout
 from sft_recipe.compat.quantized_load import quantized_base_device_map
 from sft_recipe.compat.trl_fused_head import fused_head_reads_what_it_needs
+from sft_recipe.compat.trl_prepare import without_rank_barriers
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround("fused_head_reads_what_it_needs", "trl", ">=1.16", "1.16.0",
                "tests/e2e/test_census.py trains Llama-4-text (its base_model_prefix names no child) and GraniteMoE "
                "(num_local_experts) without it", install=fused_head_reads_what_it_needs),
+    Workaround("without_rank_barriers", "trl", ">=1.16", "1.16.0",
+               "tests/unit/test_prepared_copy.py::test_trl_preparation_still_orders_ranks fails (TRL's "
+               "_prepare_dataset no longer waits for every rank)"),
     Workaround("packing_kernel_gaps", "transformers", ">=5.0", "5.24.0",
                "transformers says which kernels a model class falls back on (tests/unit/test_model_reach.py reads "
                "the closure of its hub-kernel wrapper)"),
@@ -183,7 +187,7 @@ __all__ = [
     "install", "installed", "keep_present_no_split_modules",
     "load_persistent_buffers_apart",
     "module_names_without_fsdp_segments", "packing_kernel_gaps",
-    "quantized_base_device_map", "save_embedding_layers_for",
+    "quantized_base_device_map", "save_embedding_layers_for", "without_rank_barriers",
     "restore_bnb_4bit_storage_layout", "strip_wrapper_segments", "trainable_tokens_lm_head_bias",
     "trainer_override_drift",
 ]

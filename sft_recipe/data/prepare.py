@@ -231,6 +231,8 @@ class PreparedData:
     rows_read: dict[str, int]
     rows_dropped: dict[str, int]  # bad rows (and malformed lines) dropped by --drop_bad_rows
     chat_template: str | None = None  # what TRL renders chat rows with instead of the tokenizer's (None: its own)
+    tokenized: dict = field(default_factory=dict)  # role -> the rows as TRL tokenizes them, uncut (prepared_copy)
+    preparation: dict = field(default_factory=dict)  # which ranks prepared the data, which read it (prepared_copy)
 
 
 def _assistant_only_loss_problems(formats: dict[str, str], conversational: dict[str, bool],

@@ -1,9 +1,10 @@
 """The data report: what will be trained, measured before any weight is loaded, and the preview of N examples.
 
 Examples are tokenized by TRL's own dataset preparation (`SFTTrainer._prepare_dataset`, run without truncation or
-packing), so that lengths and loss masks are the trainer's, not a re-implementation; the cut at `max_length` and the
-packing are then measured on those (packing with TRL's `pack_dataset`). Once the trainer has prepared its data,
-`confirm` compares it with the prediction and records the trainer's own counts.
+packing: `tokenize_like_trl`), once: the report reads those rows and the trainer is given them (TRL then only cuts
+or packs them), so lengths and loss masks are the trainer's, not a re-implementation; the cut at `max_length` and
+the packing are measured on them (packing with TRL's `pack_dataset`), a batch of rows at a time. Once the trainer
+has prepared its data, `confirm` compares it with the prediction and records the trainer's own counts.
 
 The field names of data_report.json are the dataclasses below and nowhere else.
 """
@@ -79,53 +80,77 @@ class DataReport:
         return "\n".join(lines)
 
 
-def tokenize_like_trl(dataset, tokenizer, training_args, chat_template: str | None = None):
+def tokenize_like_trl(dataset, tokenizer, training_args, chat_template: str | None = None, num_proc: int | None = None,
+                      name: str = "train"):
     """Rows -> input_ids + labels exactly as SFTTrainer prepares them, but uncut and unpacked, without a model.
 
     `_prepare_dataset` reads three trainer attributes, given here as SFTTrainer sets them: the tokenizer, the
     completion-only switch (on for prompt/completion rows unless the flag says otherwise) and the chat template
     override (`chat_template`: TRL's training version of a template without generation markers, under
-    --assistant_only_loss; `PreparedData.chat_template`)."""
+    --assistant_only_loss; `PreparedData.chat_template`). The result is what the trainer is given: TRL sees
+    `input_ids` and `labels` and only cuts (or packs) them, so the rows are tokenized once."""
     from trl import SFTTrainer
+
+    from sft_recipe.compat import without_rank_barriers
 
     args = copy.copy(training_args)
     args.max_length, args.packing, args.shuffle_dataset = None, False, False
+    args.dataset_num_proc = num_proc
     first = dataset[0]
     completion_only = training_args.completion_only_loss
     if completion_only is None:
         completion_only = "prompt" in first and "completion" in first
     trainer = SimpleNamespace(_tokenizer=tokenizer, completion_only_loss=completion_only, chat_template=chat_template)
-    return SFTTrainer._prepare_dataset(trainer, dataset, tokenizer, args, False, None, "report")
+    with without_rank_barriers():  # one process prepares; the recipe orders the ranks (data/prepared_copy.py)
+        return SFTTrainer._prepare_dataset(trainer, dataset, tokenizer, args, False, None, name)
 
 
-def _columns(tokenized) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(lengths, starts, flat input_ids, flat labels) of a tokenized split, read through Arrow, not Python lists."""
+BATCH_ROWS = 2048  # rows read at a time: the report's memory is this many examples' tokens, whatever the rows
+
+
+def _example_stats(tokenized, limit: int | None, keep: str, eos_token_id) -> dict[str, np.ndarray]:
+    """Per example: tokens, loss tokens kept by a cut at `limit` (`keep`: "all", "start" or "end"), whether it ends
+    in EOS and whether that EOS carries loss. Read through Arrow a batch at a time: per-example numbers only, never
+    every token of the split at once."""
     import pyarrow.compute as pc
 
-    table = tokenized.with_format("arrow")[:]
-    lengths = np.asarray(pc.list_value_length(table["input_ids"]), dtype=np.int64)
-    ids = np.asarray(pc.list_flatten(table["input_ids"]), dtype=np.int64)
-    labels = np.asarray(pc.list_flatten(table["labels"]), dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    return lengths, starts, ids, labels
+    parts: dict[str, list] = {"lengths": [], "loss_kept": [], "ends_in_eos": [], "eos_has_loss": []}
+    for batch in tokenized.with_format("arrow").iter(batch_size=BATCH_ROWS):
+        lengths = np.asarray(pc.list_value_length(batch["input_ids"]), dtype=np.int64)
+        ids = np.asarray(pc.list_flatten(batch["input_ids"]), dtype=np.int64)
+        labels = np.asarray(pc.list_flatten(batch["labels"]), dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        ends = starts + lengths
+        loss_cum = np.concatenate([[0], np.cumsum(labels != IGNORE)])
+        kept = lengths if keep == "all" or limit is None else np.minimum(lengths, limit)
+        if keep == "end":
+            loss_kept = loss_cum[ends] - loss_cum[ends - kept]
+        else:
+            loss_kept = loss_cum[starts + kept] - loss_cum[starts]
+        last = np.maximum(ends - 1, 0)
+        nonempty = lengths > 0
+        parts["lengths"].append(lengths)
+        parts["loss_kept"].append(loss_kept)
+        parts["ends_in_eos"].append(nonempty & (ids[last] == eos_token_id) if len(ids) and eos_token_id is not None
+                                    else np.zeros(len(lengths), dtype=bool))
+        parts["eos_has_loss"].append(nonempty & (labels[last] != IGNORE) if len(labels)
+                                     else np.zeros(len(lengths), dtype=bool))
+    return {k: np.concatenate(v) if v else np.zeros(0, dtype=np.int64) for k, v in parts.items()}
 
 
 def measure_split(tokenized, fmt: str, rows_read: int, rows_dropped: int, training_args, eos_token_id) -> SplitReport:
-    lengths, starts, token_ids, labels = _columns(tokenized)
-    ends = starts + lengths
-    loss_cum = np.concatenate([[0], np.cumsum(labels != IGNORE)])
     limit = training_args.max_length
     packing, strategy = training_args.packing, training_args.packing_strategy
     splits_long = packing and strategy in ("bfd_split", "wrapped")  # long examples continue in another row
     if limit is None or splits_long:
-        kept = lengths
-        loss_kept = loss_cum[ends] - loss_cum[starts]
+        keep = "all"
     elif training_args.truncation_mode == "keep_end" and not packing:
-        kept = np.minimum(lengths, limit)
-        loss_kept = loss_cum[ends] - loss_cum[ends - kept]
+        keep = "end"
     else:  # keep_start, and packing "bfd" (which keeps the start of a long example)
-        kept = np.minimum(lengths, limit)
-        loss_kept = loss_cum[starts + kept] - loss_cum[starts]
+        keep = "start"
+    stats = _example_stats(tokenized, limit, keep, eos_token_id)
+    lengths, loss_kept = stats["lengths"], stats["loss_kept"]
+    kept = lengths if keep == "all" else np.minimum(lengths, limit)
     without_loss = 0
     if not packing:  # TRL drops examples whose loss tokens were all cut off
         without_loss = int(((loss_kept == 0) & (lengths > 0)).sum())
@@ -135,14 +160,13 @@ def measure_split(tokenized, fmt: str, rows_read: int, rows_dropped: int, traini
     if packing:
         from trl.data_utils import pack_dataset
 
-        packed_rows = len(pack_dataset(tokenized.select_columns(["input_ids", "labels"]), limit, strategy))
+        # As the trainer calls it (same columns, processes): its packing then reads this one from the cache.
+        packed_rows = len(pack_dataset(tokenized.select_columns(["input_ids", "labels"]), limit, strategy,
+                                       {"num_proc": training_args.dataset_num_proc}))
         efficiency = tokens_trained / (packed_rows * limit) if packed_rows else 0.0
     eos_share = None
-    if eos_token_id is not None and len(lengths):
-        last = ends[lengths > 0] - 1
-        ends_in_eos = token_ids[last] == eos_token_id
-        if ends_in_eos.any():
-            eos_share = float((labels[last][ends_in_eos] != IGNORE).mean())
+    if stats["ends_in_eos"].any():
+        eos_share = float(stats["eos_has_loss"][stats["ends_in_eos"]].mean())
     total = int(lengths.sum())
     over = int((lengths > limit).sum()) if limit else 0
     cut = 0 if limit is None or splits_long else int((lengths - np.minimum(lengths, limit)).sum())
@@ -179,13 +203,20 @@ def _warnings(report: DataReport) -> list[str]:
     return warnings
 
 
+def tokenized_splits(prepared, tokenizer, training_args) -> dict:
+    """`prepared.tokenized`, tokenizing the splits first where nothing has (a `prepare()` result used directly)."""
+    if not prepared.tokenized:
+        prepared.tokenized = {role: tokenize_like_trl(dataset, tokenizer, training_args, prepared.chat_template,
+                                                      name=role)
+                              for role, dataset in prepared.datasets.items()}
+    return prepared.tokenized
+
+
 def measure(prepared, tokenizer, training_args) -> DataReport:
-    """The report for every split of a `data.PreparedData`."""
-    splits = {}
-    for role, dataset in prepared.datasets.items():
-        tokenized = tokenize_like_trl(dataset, tokenizer, training_args, prepared.chat_template)
-        splits[role] = measure_split(tokenized, prepared.formats[role], prepared.rows_read[role],
-                                     prepared.rows_dropped[role], training_args, tokenizer.eos_token_id)
+    """The report for every split of a `data.PreparedData`, read from its tokenized splits (`tokenized`)."""
+    splits = {role: measure_split(tokenized, prepared.formats[role], prepared.rows_read[role],
+                                  prepared.rows_dropped[role], training_args, tokenizer.eos_token_id)
+              for role, tokenized in tokenized_splits(prepared, tokenizer, training_args).items()}
     report = DataReport(max_length=training_args.max_length, packing=bool(training_args.packing),
                         packing_strategy=training_args.packing_strategy if training_args.packing else None,
                         truncation_mode=training_args.truncation_mode, cut_warning_share=CUT_WARNING_SHARE,
@@ -212,14 +243,20 @@ def publish(report: DataReport, output_dir: str, is_main_process: bool) -> None:
 
 
 def confirm(report: DataReport, train_dataset, output_dir: str, is_main_process: bool) -> None:
-    """Record what the trainer itself prepared for training, and say so if it differs from the prediction."""
-    lengths, _, _, labels = _columns(train_dataset)
-    train = report.splits["train"]
-    tokens, loss_tokens = int(lengths.sum()), int((labels != IGNORE).sum())
-    matches = (tokens, loss_tokens) == (train.tokens_trained, train.loss_tokens)
-    report.trainer_check = {"tokens": tokens, "loss_tokens": loss_tokens, "matches_prediction": matches}
+    """Record what the trainer itself prepared for training, and say so if it differs from the prediction. The main
+    process's to do (it holds the report)."""
+    import pyarrow.compute as pc
+
     if not is_main_process:
         return
+
+    tokens = loss_tokens = 0
+    for batch in train_dataset.with_format("arrow").iter(batch_size=BATCH_ROWS):
+        labels = np.asarray(pc.list_flatten(batch["labels"]), dtype=np.int64)
+        tokens, loss_tokens = tokens + len(labels), loss_tokens + int((labels != IGNORE).sum())
+    train = report.splits["train"]
+    matches = (tokens, loss_tokens) == (train.tokens_trained, train.loss_tokens)
+    report.trainer_check = {"tokens": tokens, "loss_tokens": loss_tokens, "matches_prediction": matches}
     if not matches:
         logger.warning(f"the trainer prepared {tokens} tokens ({loss_tokens} with loss); the data report predicted "
                        f"{train.tokens_trained} ({train.loss_tokens}). The report's numbers are approximate.")
@@ -237,9 +274,8 @@ def _cut_position(length: int, training_args) -> int | None:
 
 def preview(prepared, tokenizer, training_args, count: int, role: str = "train") -> str:
     """`count` examples as the model sees them: loss-carrying text between ⟦ ⟧, and where max_length cuts."""
-    dataset = prepared.datasets[role]
-    tokenized = tokenize_like_trl(dataset.select(range(min(count, len(dataset)))), tokenizer, training_args,
-                                  prepared.chat_template)
+    dataset = tokenized_splits(prepared, tokenizer, training_args)[role]
+    tokenized = dataset.select(range(min(count, len(dataset))))
     keep_end = training_args.truncation_mode == "keep_end" and not training_args.packing
     blocks = []
     for n, row in enumerate(tokenized, start=1):

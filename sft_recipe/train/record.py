@@ -60,6 +60,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                "gpu_peak_gib_after_load_per_rank", "gpu_peak_gib_after_wrap_per_rank", "fsdp2_unsharded_params"),
     "weights": ("trainable_params", "checksums_before", "checksums_after", "frozen_changed", "trainable_changed"),
     "saves": ("final", "checkpoints"),
+    "data": ("prepared_on_ranks", "read_copy_on_ranks", "seconds_per_rank"),
 }
 
 

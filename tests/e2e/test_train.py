@@ -87,6 +87,9 @@ def test_train_save_verify_reload(name, tiny, tmp_path):
         assert facts["distribution"]["num_processes"] == 2
     else:
         assert facts["distribution"]["num_processes"] == 1 and facts["distribution"]["fsdp_modules"] == 0
+    # The data was prepared by one process (rank 0); the other rank read its copy in output_dir/prepared_data.
+    ranks = list(range(facts["distribution"]["num_processes"]))
+    assert facts["data"]["prepared_on_ranks"] == [0] and facts["data"]["read_copy_on_ranks"] == ranks[1:]
 
     # Learning happened, to the right weights.
     losses = facts["training"]["losses"]

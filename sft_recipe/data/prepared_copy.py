@@ -1,0 +1,247 @@
+"""The data, prepared once per machine and kept: read, every row checked, converted, tokenized by TRL's own
+preparation -- by one process, which saves the result in output_dir/prepared_data/; every other rank reads that.
+
+Who prepares: the global main process first; then each machine's local main reads the copy (an output_dir on a
+shared filesystem) or, where its output_dir is its own disk, prepares it too; then everyone else reads it. The
+preparing process tells the others how it went by message (a collective, not a barrier), so a bad row found there
+stops every rank with exit 2, and a rank never waits for a process that has already failed.
+
+A later launch on the same data (a resume, a second run, another rank count) reads the copy when nothing that
+decides it changed -- the key: the data files (path, size, modification time), the tokenizer's files, the format
+flags, and the library versions that tokenize -- and prepares it again when something did. `--max_seq_len`,
+packing and the batch are not in the key: the copy is uncut and unpacked, TRL cuts or packs it when the trainer
+starts, and the data report is measured from it each launch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from sft_recipe.config.args import DataTrainingArguments
+from sft_recipe.data.prepare import PreparedData, locate_splits, prepare, read_splits
+from sft_recipe.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+PREPARED_DIR = "prepared_data"
+META_FILE = "prepared.json"
+FORMAT_VERSION = 1  # bump when what is saved, or how the rows are prepared, changes
+MIN_ROWS_PER_PROCESS = 2000  # below this a worker's start-up costs more than its share of the tokenizing saves
+VERSIONED = ("trl", "datasets", "transformers", "tokenizers", "jinja2")
+
+
+def tokenizing_processes(rows: int, dataset_num_proc: int | None) -> int:
+    """Processes that tokenize: --dataset_num_proc, else this machine's CPUs, never fewer than
+    MIN_ROWS_PER_PROCESS rows each."""
+    wanted = dataset_num_proc or len(os.sched_getaffinity(0))
+    return max(1, min(wanted, rows // MIN_ROWS_PER_PROCESS))
+
+
+def _file_identity(path: Path) -> list:
+    """(relative name, size, mtime in ns) of a file, or of every file under a folder but the map caches `datasets`
+    writes beside a saved dataset (cache-*.arrow: written by the preparation itself)."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()
+                                                 and not p.name.startswith("cache-"))
+    return [(str(p.relative_to(path)) if p != path else p.name, p.stat().st_size, p.stat().st_mtime_ns)
+            for p in files]
+
+
+def _tokenizer_identity(tokenizer) -> str:
+    """A hash of the files the tokenizer saves (vocabulary, merges, special tokens, chat template)."""
+    digest = hashlib.sha256()
+    with tempfile.TemporaryDirectory(prefix="tokenizer-key-") as folder:
+        tokenizer.save_pretrained(folder)
+        for path in sorted(Path(folder).rglob("*")):
+            if path.is_file():
+                digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def preparation_key(data_args: DataTrainingArguments, training_args, tokenizer, hub_fingerprints=None) -> str:
+    """What decides the prepared rows, hashed. Hub datasets are named by `datasets`' own fingerprints of what it
+    read (`hub_fingerprints`), since a name does not pin a revision."""
+    sources, _ = locate_splits(data_args)
+    identity = {
+        "format_version": FORMAT_VERSION,
+        "sources": {split: [kind, where] + ([] if kind == "hub" else _file_identity(Path(where)))
+                    for split, (kind, where) in sorted(sources.items())},
+        "hub": hub_fingerprints or {},
+        "data_flags": {k: v for k, v in vars(data_args).items() if k != "preview_examples"},
+        "trl_flags": {k: getattr(training_args, k, None) for k in
+                      ("dataset_text_field", "assistant_only_loss", "completion_only_loss")},
+        "tokenizer": _tokenizer_identity(tokenizer),
+        "versions": {name: _version(name) for name in VERSIONED},
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
+def load_copy(output_dir: str, key: str) -> PreparedData | None:
+    """The copy in output_dir/prepared_data when it was prepared under `key`, else None (none, another key, or
+    unreadable: then it is prepared again)."""
+    from datasets import load_from_disk
+
+    folder = Path(output_dir) / PREPARED_DIR
+    try:
+        meta = json.loads((folder / META_FILE).read_text())
+        if meta.get("key") != key:
+            return None
+        tokenized = {role: load_from_disk(str(folder / role)) for role in meta["roles"]}
+    except Exception:  # noqa: BLE001 -- missing, half-copied by hand, another datasets version: prepare again
+        return None
+    return PreparedData(datasets={}, formats=meta["formats"], notes=meta["notes"], rows_read=meta["rows_read"],
+                        rows_dropped=meta["rows_dropped"], chat_template=meta["chat_template"], tokenized=tokenized)
+
+
+def save_copy(data: PreparedData, output_dir: str, key: str) -> bool:
+    """Write the tokenized splits and what the log and report need to output_dir/prepared_data, in one step (a
+    sibling folder renamed over it): a reader sees the old copy or the new one, never half of one. False when it
+    could not be written (a full disk, a read-only output_dir): the run goes on, and the others prepare their own."""
+    root = Path(output_dir)
+    folder, tmp = root / PREPARED_DIR, root / f".{PREPARED_DIR}.writing-{os.getpid()}"
+    old = root / f".{PREPARED_DIR}.old-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        for role, dataset in data.tokenized.items():
+            dataset.save_to_disk(str(tmp / role))
+        meta = {"key": key, "roles": list(data.tokenized), "formats": data.formats, "notes": data.notes,
+                "rows_read": data.rows_read, "rows_dropped": data.rows_dropped, "chat_template": data.chat_template}
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+        if folder.exists():
+            folder.rename(old)
+        tmp.rename(folder)
+    except OSError as e:
+        logger.warning(f"data: could not keep the prepared data in {folder} ({e.strerror or e}); this launch goes "
+                       "on with it in the datasets cache, and a later one prepares it again.")
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False
+    shutil.rmtree(old, ignore_errors=True)
+    return True
+
+
+def tokenize(data: PreparedData, tokenizer, training_args) -> PreparedData:
+    """Every split through TRL's preparation (data/report.py `tokenize_like_trl`), on this machine's cores."""
+    from sft_recipe.data.report import tokenize_like_trl
+
+    for role, dataset in data.datasets.items():
+        processes = tokenizing_processes(len(dataset), training_args.dataset_num_proc)
+        logger.info(f"data: tokenizing split '{role}' ({len(dataset)} rows) with {processes} process(es) "
+                    f"(--dataset_num_proc {training_args.dataset_num_proc or 'unset: this machine has'} "
+                    f"{len(os.sched_getaffinity(0))} CPUs, at least {MIN_ROWS_PER_PROCESS} rows each)")
+        data.tokenized[role] = tokenize_like_trl(dataset, tokenizer, training_args, data.chat_template,
+                                                 processes if processes > 1 else None, name=role)
+    return data
+
+
+def prepare_here(data_args: DataTrainingArguments, training_args, tokenizer) -> tuple[PreparedData, bool]:
+    """(the data, whether it was read from a copy): the copy under its key, or read, checked, converted,
+    tokenized and saved."""
+    loaded = None
+    hub = None
+    if any(kind == "hub" for kind, _ in locate_splits(data_args)[0].values()):
+        loaded = read_splits(data_args)  # a Hub name pins no revision: key by what datasets read
+        hub = {role: ds._fingerprint for role, ds in loaded.datasets.items()}
+    key = preparation_key(data_args, training_args, tokenizer, hub)
+    if (copy := load_copy(training_args.output_dir, key)) is not None:
+        return copy, True
+    data = prepare(loaded or read_splits(data_args), data_args, training_args.dataset_text_field, tokenizer,
+                   assistant_only_loss=training_args.assistant_only_loss)
+    tokenize(data, tokenizer, training_args)
+    if save_copy(data, training_args.output_dir, key) and (saved := load_copy(training_args.output_dir, key)):
+        data = saved  # read back: the trainer's cuts and packing are then cached beside the copy, for every rank
+    return data, False
+
+
+def prepare_data(data_args: DataTrainingArguments, training_args, tokenizer, launch) -> PreparedData:
+    """The data for this launch, prepared by one process per machine (see the module's docstring). Its
+    `preparation` says which ranks prepared it and which read a copy, for the log and the run record."""
+    def work():
+        start = time.perf_counter()
+        data, reused = prepare_here(data_args, training_args, tokenizer)
+        return data, ("read" if reused else "prepared", round(time.perf_counter() - start, 2))
+
+    data, mine = in_rank_order(work, launch)
+    everyone = _gather(mine)
+    data.preparation = {
+        "prepared_on_ranks": [rank for rank, (action, _) in enumerate(everyone) if action == "prepared"],
+        "read_copy_on_ranks": [rank for rank, (action, _) in enumerate(everyone) if action == "read"],
+        "seconds_per_rank": [seconds for _, seconds in everyone],
+    }
+    if launch.is_main_process:
+        logger.info(describe(data.preparation, Path(training_args.output_dir) / PREPARED_DIR))
+    return data
+
+
+def describe(preparation: dict, where: Path) -> str:
+    prepared, read = preparation["prepared_on_ranks"], preparation["read_copy_on_ranks"]
+    seconds = preparation["seconds_per_rank"]
+    if not prepared:
+        return f"data: read the copy a previous launch prepared ({where}: same data files, tokenizer and flags)"
+    said = f"data: prepared by rank {', '.join(map(str, prepared))} in {max(seconds[r] for r in prepared):.1f} s"
+    if read:
+        said += f"; rank {', '.join(map(str, read))} read its copy ({where})"
+    return said
+
+
+def in_rank_order(work, launch):
+    """`work()` on the global main process, then on each machine's local main, then on the others; a ConfigError
+    (or any failure) where it runs first is raised on every rank, so all stop together."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return work()
+    turns = (launch.rank == 0, launch.local_rank == 0 and launch.rank != 0, launch.local_rank != 0)
+    result = None
+    for mine in turns:
+        outcome = None
+        if mine:
+            try:
+                result = work()
+            except ConfigError as e:
+                outcome = ("config", e.problems)
+            except Exception as e:  # noqa: BLE001 -- told to the others, then raised here
+                outcome = ("failed", f"{type(e).__name__}: {e}")
+                _tell(outcome)
+                raise
+        told = _tell(outcome)
+        if told is not None:
+            kind, what = told
+            if kind == "config":
+                raise ConfigError(what)
+            raise ConfigError([f"the data could not be prepared on another rank ({what}); its log says more."])
+    return result
+
+
+def _gather(value) -> list:
+    """`value` of every rank, by rank (this one's alone without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _tell(outcome):
+    """Every rank's outcome of this turn gathered; the first failure, or None."""
+    import torch.distributed as dist
+
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, outcome)
+    return next((o for o in outcomes if o is not None), None)

@@ -1,0 +1,167 @@
+"""The data is tokenized once, by TRL's own preparation, kept in output_dir/prepared_data, and read back by a later
+launch when nothing that decides it changed (sft_recipe/data/prepared_copy.py); the trainer given those rows does
+exactly what it would do with the raw rows, without tokenizing them again. Multi-process ordering runs in the real
+launches of tests/e2e/test_train.py, test_multinode.py and tests/test_deepspeed.py (their run records' `data`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from sft_recipe.config.args import parse_args
+from sft_recipe.config.launch_env import LaunchEnv
+from sft_recipe.data import prepared_copy as pc
+from sft_recipe.data import report as data_report
+
+
+def _args(tiny, out, *flags):
+    return parse_args(["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
+                       "--output_dir", str(out), "--chat_template_format", "chatml", "--max_seq_len", "64",
+                       "--report_to", "none", *flags], LaunchEnv())
+
+
+def _tokenizer(model_args):
+    from sft_recipe.train.model import load_tokenizer
+
+    return load_tokenizer(model_args, False)
+
+
+def _trainer(tiny, tokenizer, train, training_args):
+    from transformers import AutoModelForCausalLM
+    from trl import SFTTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny.model_dir))
+    model.resize_token_embeddings(len(tokenizer))
+    return SFTTrainer(model=model, args=training_args, train_dataset=train, processing_class=tokenizer)
+
+
+def test_trl_preparation_still_orders_ranks(tiny, tmp_path, monkeypatch):
+    # TRL's _prepare_dataset waits for every rank (main_process_first): one rank alone would hang there. The recipe's
+    # own call runs without it; TRL's, as it ships, still enters it (when it stops, without_rank_barriers can go).
+    from accelerate import PartialState
+    from trl import SFTTrainer
+
+    m, d, _, t = _args(tiny, tmp_path / "out")
+    tokenizer = _tokenizer(m)
+    rows = pc.prepare(pc.read_splits(d), d, t.dataset_text_field, tokenizer).datasets["train"]
+
+    def barrier(self):
+        raise AssertionError("waited for every rank")
+
+    monkeypatch.setattr(PartialState, "wait_for_everyone", barrier)
+    assert len(data_report.tokenize_like_trl(rows, tokenizer, t)) == len(rows)
+    fake = type("T", (), {"_tokenizer": tokenizer, "completion_only_loss": False, "chat_template": None})()
+    with pytest.raises(AssertionError, match="waited for every rank"):
+        SFTTrainer._prepare_dataset(fake, rows, tokenizer, t, False, None, "train")
+
+
+@pytest.mark.parametrize("flags", [("--packing", "True"), ("--packing", "False"),
+                                   ("--packing", "False", "--truncation_mode", "keep_end")],
+                         ids=["packing", "truncation", "keep_end"])
+def test_the_trainer_cuts_or_packs_the_tokenized_rows_as_it_would_the_raw_rows_without_tokenizing(
+        tiny, tmp_path, monkeypatch, flags):
+    import trl.trainer.sft_trainer as sft
+
+    m, d, _, t = _args(tiny, tmp_path / "out", "--max_seq_len", "24", *flags)  # some examples are cut
+    tokenizer = _tokenizer(m)
+    data = pc.prepare(pc.read_splits(d), d, t.dataset_text_field, tokenizer)
+    from_rows = _trainer(tiny, tokenizer, data.datasets["train"], t).train_dataset
+    pc.tokenize(data, tokenizer, t)
+    calls = []
+    real = sft._tokenize
+    monkeypatch.setattr(sft, "_tokenize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    from_tokenized = _trainer(tiny, tokenizer, data.tokenized["train"], t).train_dataset
+    assert calls == []  # the trainer tokenized nothing: it only cut or packed
+    assert from_tokenized.column_names == from_rows.column_names
+    for column in from_rows.column_names:
+        assert from_tokenized[column] == from_rows[column], column
+    report = data_report.measure(data, tokenizer, t)  # the report's prediction is what the trainer then holds
+    data_report.confirm(report, from_tokenized, str(tmp_path / "out"), True)
+    assert report.trainer_check["matches_prediction"], report.trainer_check
+
+
+def test_a_second_launch_reads_the_copy_and_a_change_that_decides_it_prepares_it_again(tiny, tmp_path):
+    data_dir = tmp_path / "data"
+    shutil.copytree(tiny.jsonl_dir, data_dir)
+    out = tmp_path / "out"
+
+    def launch(*flags, chat="chatml"):
+        m, d, _, t = parse_args(["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(data_dir),
+                                 "--output_dir", str(out), "--chat_template_format", chat, "--report_to", "none",
+                                 *flags], LaunchEnv())
+        data, reused = pc.prepare_here(d, t, _tokenizer(m))
+        return data, reused, t
+
+    first, reused, t = launch()
+    assert not reused and (out / pc.PREPARED_DIR / pc.META_FILE).is_file()
+    again, reused, _ = launch("--max_seq_len", "32", "--packing", "True")  # cut and packing: not in the key
+    assert reused and again.formats == first.formats and again.rows_read == first.rows_read
+    assert again.tokenized["train"]["input_ids"] == first.tokenized["train"]["input_ids"]
+    assert launch(chat="zephyr")[1] is False  # another chat template: another tokenization
+    assert launch(chat="zephyr")[1] is True
+    assert launch("--dataset_role_map", "human=user", chat="zephyr")[1] is False  # a format flag
+    with open(data_dir / "train.jsonl", "a") as f:  # the data changed
+        f.write(json.dumps({"messages": [{"role": "user", "content": "One more?"},
+                                         {"role": "assistant", "content": "Yes."}]}) + "\n")
+    changed, reused, _ = launch("--dataset_role_map", "human=user", chat="zephyr")
+    assert not reused and changed.rows_read["train"] == first.rows_read["train"] + 1
+    assert sorted(p.name for p in out.iterdir() if "prepared" in p.name) == [pc.PREPARED_DIR]  # one copy, no leftovers
+
+
+@pytest.mark.parametrize("damage", ["meta", "split", "foreign"])
+def test_a_damaged_or_foreign_copy_is_prepared_again(tiny, tmp_path, damage):
+    m, d, _, t = _args(tiny, tmp_path / "out")
+    tokenizer = _tokenizer(m)
+    pc.prepare_here(d, t, tokenizer)
+    folder = tmp_path / "out" / pc.PREPARED_DIR
+    if damage == "meta":
+        (folder / pc.META_FILE).write_text("{not json")
+    elif damage == "split":
+        shutil.rmtree(folder / "train")
+    else:
+        meta = json.loads((folder / pc.META_FILE).read_text())
+        (folder / pc.META_FILE).write_text(json.dumps({**meta, "key": "another-run"}))
+    data, reused = pc.prepare_here(d, t, tokenizer)
+    assert not reused and len(data.tokenized["train"]) == data.rows_read["train"]
+    assert pc.prepare_here(d, t, tokenizer)[1]  # and the new copy is whole
+
+
+def test_a_copy_that_cannot_be_written_leaves_the_run_going_and_nothing_half_written(tiny, tmp_path, monkeypatch,
+                                                                                      caplog):
+    import errno
+
+    from datasets import Dataset
+
+    m, d, _, t = _args(tiny, tmp_path / "out")
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Dataset, "save_to_disk", full)
+    data, reused = pc.prepare_here(d, t, _tokenizer(m))
+    assert not reused and len(data.tokenized["train"]) == data.rows_read["train"]
+    assert "could not keep the prepared data" in caplog.text and "No space left" in caplog.text
+    assert not [p for p in (tmp_path / "out").iterdir() if "prepared" in p.name]
+
+
+def test_the_report_is_the_same_read_a_few_rows_at_a_time(tiny, tmp_path, monkeypatch):
+    m, d, _, t = _args(tiny, tmp_path / "out", "--packing", "False", "--max_seq_len", "24")
+    tokenizer = _tokenizer(m)
+    data = pc.tokenize(pc.prepare(pc.read_splits(d), d, t.dataset_text_field, tokenizer), tokenizer, t)
+    whole = data_report.measure(data, tokenizer, t)
+    monkeypatch.setattr(data_report, "BATCH_ROWS", 7)  # 240 rows: 35 batches, the last one short
+    assert data_report.measure(data, tokenizer, t) == whole
+    assert whole.splits["train"].examples_cut_share > 0  # the cut is measured, not trivially zero
+
+
+def test_tokenizing_processes_come_from_the_cpus_with_enough_rows_each():
+    cpus = len(os.sched_getaffinity(0))
+    assert pc.tokenizing_processes(100, None) == 1  # a worker would cost more than it saves
+    assert pc.tokenizing_processes(10 * pc.MIN_ROWS_PER_PROCESS, None) == min(cpus, 10)
+    assert pc.tokenizing_processes(10 * pc.MIN_ROWS_PER_PROCESS, 3) == 3  # --dataset_num_proc decides
+    assert pc.describe({"prepared_on_ranks": [0], "read_copy_on_ranks": [1, 2], "seconds_per_rank": [3.0, 0, 0]},
+                       "out/prepared_data") == "data: prepared by rank 0 in 3.0 s; rank 1, 2 read its copy " \
+                                               "(out/prepared_data)"
