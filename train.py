@@ -38,7 +38,7 @@ from sft_recipe.config.args import parse_args
 from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
 from sft_recipe.data import report as data_report
 from sft_recipe.data.prepare import dataset_flag_notes
-from sft_recipe.data.prepared_copy import prepare_data
+from sft_recipe.data.prepared_copy import measure_report, prepare_data
 from sft_recipe.errors import ConfigError
 from sft_recipe.logs import quiet_other_ranks
 from sft_recipe.plan import plan_memory
@@ -82,7 +82,7 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
     for note in dataset_flag_notes(data_args, data.formats["train"] != "text"):
         logger.warning(note)
     # The report is the main process's to measure, print and write (the others would only repeat it).
-    report = data_report.measure(data, tokenizer, training_args) if launch.is_main_process else None
+    report = measure_report(data, tokenizer, training_args) if launch.is_main_process else None
     if data_args.preview_examples:  # show what is trained (loss-carrying tokens marked) and the report, then exit
         print_preview_and_exit(data, report, tokenizer, training_args, data_args.preview_examples, launch)
     # One block in the log + output_dir/data_report.json.

@@ -160,6 +160,8 @@ def main() -> int:
             clear_caches(data, cache, out)
             cold = launch(path, tiny.model_dir, data, out, cache, args.max_length)
             warm = launch(path, tiny.model_dir, data, out, cache, args.max_length)
+            for phase, result in (("cold", cold), ("warm", warm)):
+                (root / f"{path}-{rows}-{phase}.log").write_text(result["log"])
             row[path] = {"cold": {k: v for k, v in cold.items() if k != "log"},
                          "warm": {k: v for k, v in warm.items() if k != "log"}}
             print(f"| {rows:,} | {path} | {cold['seconds']:.1f} | {warm['seconds']:.1f} | "

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,9 @@ def launch_env(cpu_switch: bool = True) -> dict[str, str]:
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", HF_HUB_DISABLE_TELEMETRY="1")
     env.pop("HF_TOKEN", None)
+    # A datasets cache of its own: the prepared data one launch keeps (sft_recipe/data/prepared_copy.py) is read by
+    # the next only where a test passes the same environment on.
+    env["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="hf-datasets-")
     if cpu_switch:
         env["ACCELERATE_USE_CPU"] = "true"
     return env

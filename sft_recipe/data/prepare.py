@@ -233,6 +233,8 @@ class PreparedData:
     chat_template: str | None = None  # what TRL renders chat rows with instead of the tokenizer's (None: its own)
     tokenized: dict = field(default_factory=dict)  # role -> the rows as TRL tokenizes them, uncut (prepared_copy)
     preparation: dict = field(default_factory=dict)  # which ranks prepared the data, which read it (prepared_copy)
+    reports: dict = field(default_factory=dict)  # data reports measured on this copy, by what decides them
+    copy_dir: str | None = None  # the folder the tokenized splits were read from (prepared_copy)
 
 
 def _assistant_only_loss_problems(formats: dict[str, str], conversational: dict[str, bool],

@@ -1,16 +1,18 @@
 """The data, prepared once per machine and kept: read, every row checked, converted, tokenized by TRL's own
-preparation -- by one process, which saves the result in output_dir/prepared_data/; every other rank reads that.
+preparation -- by one process, which saves the result in datasets' cache (`HF_DATASETS_CACHE`, by default
+~/.cache/huggingface/datasets) under sft_recipe_prepared/<key>/; every other rank reads that.
 
-Who prepares: the global main process first; then each machine's local main reads the copy (an output_dir on a
-shared filesystem) or, where its output_dir is its own disk, prepares it too; then everyone else reads it. The
-preparing process tells the others how it went by message (a collective, not a barrier), so a bad row found there
-stops every rank with exit 2, and a rank never waits for a process that has already failed.
+Who prepares: the global main process first; then each machine's local main reads the copy (a cache on a shared
+filesystem) or, where the cache is its own disk, prepares it too; then everyone else reads it. The preparing
+process tells the others how it went by message (a collective, not a barrier), so a bad row found there stops every
+rank with exit 2, and a rank never waits for a process that has already failed.
 
-A later launch on the same data (a resume, a second run, another rank count) reads the copy when nothing that
-decides it changed -- the key: the data files (path, size, modification time), the tokenizer's files, the format
-flags, and the library versions that tokenize -- and prepares it again when something did. `--max_seq_len`,
-packing and the batch are not in the key: the copy is uncut and unpacked, TRL cuts or packs it when the trainer
-starts, and the data report is measured from it each launch.
+Any later launch on the same data -- a resume, a second run into another output_dir, a sweep, another rank count --
+reads the copy when nothing that decides it changed (the key: the data files' paths, sizes and modification times,
+the tokenizer's files, the format flags, and the versions of the libraries that tokenize), and prepares it again
+when something did. `--max_seq_len`, packing and the batch are not in the key: the copy is uncut and unpacked, TRL
+cuts or packs it when the trainer starts (its own cache files go beside the copy), and the data report, measured
+from it, is kept beside it per cut and packing. Copies are not removed: delete the folder to reclaim the space.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ from sft_recipe.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-PREPARED_DIR = "prepared_data"
+PREPARED_DIR = "sft_recipe_prepared"  # under datasets' cache folder
 META_FILE = "prepared.json"
 FORMAT_VERSION = 1  # bump when what is saved, or how the rows are prepared, changes
 MIN_ROWS_PER_PROCESS = 2000  # below this a worker's start-up costs more than its share of the tokenizing saves
+TOKEN_COLUMNS = ["input_ids", "labels"]
 VERSIONED = ("trl", "datasets", "transformers", "tokenizers", "jinja2")
 
 
@@ -90,12 +93,18 @@ def _version(name: str) -> str:
         return "-"
 
 
-def load_copy(output_dir: str, key: str) -> PreparedData | None:
-    """The copy in output_dir/prepared_data when it was prepared under `key`, else None (none, another key, or
-    unreadable: then it is prepared again)."""
+def copy_root() -> Path:
+    """Where copies live: datasets' own cache folder (HF_DATASETS_CACHE), where its map caches go too."""
+    import datasets
+
+    return Path(datasets.config.HF_DATASETS_CACHE) / PREPARED_DIR
+
+
+def load_copy(key: str) -> PreparedData | None:
+    """The copy prepared under `key`, else None (none yet, or unreadable: then it is prepared again)."""
     from datasets import load_from_disk
 
-    folder = Path(output_dir) / PREPARED_DIR
+    folder = copy_root() / key
     try:
         meta = json.loads((folder / META_FILE).read_text())
         if meta.get("key") != key:
@@ -104,27 +113,31 @@ def load_copy(output_dir: str, key: str) -> PreparedData | None:
     except Exception:  # noqa: BLE001 -- missing, half-copied by hand, another datasets version: prepare again
         return None
     return PreparedData(datasets={}, formats=meta["formats"], notes=meta["notes"], rows_read=meta["rows_read"],
-                        rows_dropped=meta["rows_dropped"], chat_template=meta["chat_template"], tokenized=tokenized)
+                        rows_dropped=meta["rows_dropped"], chat_template=meta["chat_template"], tokenized=tokenized,
+                        reports=meta.get("reports", {}), copy_dir=str(folder))
 
 
-def save_copy(data: PreparedData, output_dir: str, key: str) -> bool:
-    """Write the tokenized splits and what the log and report need to output_dir/prepared_data, in one step (a
-    sibling folder renamed over it): a reader sees the old copy or the new one, never half of one. False when it
-    could not be written (a full disk, a read-only output_dir): the run goes on, and the others prepare their own."""
-    root = Path(output_dir)
-    folder, tmp = root / PREPARED_DIR, root / f".{PREPARED_DIR}.writing-{os.getpid()}"
-    old = root / f".{PREPARED_DIR}.old-{os.getpid()}"
+def save_copy(data: PreparedData, key: str) -> bool:
+    """Write the tokenized splits and what the log and report need under copy_root()/<key>, in one step (a sibling
+    folder renamed into place): a reader sees the whole copy or none. An unreadable copy of the same key is moved
+    out of the way first; one another process wrote meanwhile is kept. False when it could not be written (a full
+    disk, a read-only cache): the run goes on, and the other ranks prepare their own."""
+    root = copy_root()
+    folder, tmp, old = root / key, root / f".{key}.writing-{os.getpid()}", root / f".{key}.old-{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        for role, dataset in data.tokenized.items():
-            dataset.save_to_disk(str(tmp / role))
+        for role, dataset in data.tokenized.items():  # what the trainer reads; the rows' text is in the data files
+            dataset.select_columns(TOKEN_COLUMNS).save_to_disk(str(tmp / role))
         meta = {"key": key, "roles": list(data.tokenized), "formats": data.formats, "notes": data.notes,
                 "rows_read": data.rows_read, "rows_dropped": data.rows_dropped, "chat_template": data.chat_template}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+        if folder.exists() and load_copy(key) is None:
+            folder.rename(old)  # damaged: replaced
         if folder.exists():
-            folder.rename(old)
-        tmp.rename(folder)
+            shutil.rmtree(tmp, ignore_errors=True)  # another process got there first: its copy is the same
+        else:
+            tmp.rename(folder)
     except OSError as e:
         logger.warning(f"data: could not keep the prepared data in {folder} ({e.strerror or e}); this launch goes "
                        "on with it in the datasets cache, and a later one prepares it again.")
@@ -132,6 +145,28 @@ def save_copy(data: PreparedData, output_dir: str, key: str) -> bool:
         return False
     shutil.rmtree(old, ignore_errors=True)
     return True
+
+
+def measure_report(data: PreparedData, tokenizer, training_args):
+    """The data report for this launch's cut and packing: the one measured on this copy before with the same
+    settings (a resume reads no token), else measured now and kept beside the copy for the next launch."""
+    from sft_recipe.atomic import write_atomically
+    from sft_recipe.data.report import DataReport, measure
+
+    key = json.dumps([training_args.max_length, bool(training_args.packing), training_args.packing_strategy,
+                      training_args.truncation_mode, FORMAT_VERSION])
+    if key in data.reports:
+        return DataReport.from_dict(data.reports[key])
+    report = measure(data, tokenizer, training_args)
+    if data.copy_dir is not None:
+        meta_path = Path(data.copy_dir) / META_FILE
+        try:
+            meta = json.loads(meta_path.read_text())
+            meta.setdefault("reports", {})[key] = json.loads(report.to_json())
+            write_atomically(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
+        except (OSError, ValueError):  # a read-only or full cache: measured again next time
+            pass
+    return report
 
 
 def tokenize(data: PreparedData, tokenizer, training_args) -> PreparedData:
@@ -157,12 +192,12 @@ def prepare_here(data_args: DataTrainingArguments, training_args, tokenizer) -> 
         loaded = read_splits(data_args)  # a Hub name pins no revision: key by what datasets read
         hub = {role: ds._fingerprint for role, ds in loaded.datasets.items()}
     key = preparation_key(data_args, training_args, tokenizer, hub)
-    if (copy := load_copy(training_args.output_dir, key)) is not None:
+    if (copy := load_copy(key)) is not None:
         return copy, True
     data = prepare(loaded or read_splits(data_args), data_args, training_args.dataset_text_field, tokenizer,
                    assistant_only_loss=training_args.assistant_only_loss)
     tokenize(data, tokenizer, training_args)
-    if save_copy(data, training_args.output_dir, key) and (saved := load_copy(training_args.output_dir, key)):
+    if save_copy(data, key) and (saved := load_copy(key)):
         data = saved  # read back: the trainer's cuts and packing are then cached beside the copy, for every rank
     return data, False
 
@@ -183,18 +218,19 @@ def prepare_data(data_args: DataTrainingArguments, training_args, tokenizer, lau
         "seconds_per_rank": [seconds for _, seconds in everyone],
     }
     if launch.is_main_process:
-        logger.info(describe(data.preparation, Path(training_args.output_dir) / PREPARED_DIR))
+        logger.info(describe(data.preparation, data.copy_dir or "nowhere: it could not be kept"))
     return data
 
 
-def describe(preparation: dict, where: Path) -> str:
+def describe(preparation: dict, where) -> str:
     prepared, read = preparation["prepared_on_ranks"], preparation["read_copy_on_ranks"]
     seconds = preparation["seconds_per_rank"]
     if not prepared:
         return f"data: read the copy a previous launch prepared ({where}: same data files, tokenizer and flags)"
-    said = f"data: prepared by rank {', '.join(map(str, prepared))} in {max(seconds[r] for r in prepared):.1f} s"
+    said = (f"data: prepared by rank {', '.join(map(str, prepared))} in {max(seconds[r] for r in prepared):.1f} s, "
+            f"kept in {where}")
     if read:
-        said += f"; rank {', '.join(map(str, read))} read its copy ({where})"
+        said += f"; rank {', '.join(map(str, read))} read it"
     return said
 
 

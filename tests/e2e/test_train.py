@@ -87,7 +87,7 @@ def test_train_save_verify_reload(name, tiny, tmp_path):
         assert facts["distribution"]["num_processes"] == 2
     else:
         assert facts["distribution"]["num_processes"] == 1 and facts["distribution"]["fsdp_modules"] == 0
-    # The data was prepared by one process (rank 0); the other rank read its copy in output_dir/prepared_data.
+    # The data was prepared by one process (rank 0); the other rank read its copy in the datasets cache.
     ranks = list(range(facts["distribution"]["num_processes"]))
     assert facts["data"]["prepared_on_ranks"] == [0] and facts["data"]["read_copy_on_ranks"] == ranks[1:]
 

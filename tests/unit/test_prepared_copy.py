@@ -1,4 +1,4 @@
-"""The data is tokenized once, by TRL's own preparation, kept in output_dir/prepared_data, and read back by a later
+"""The data is tokenized once, by TRL's own preparation, kept in datasets' cache, and read back by a later
 launch when nothing that decides it changed (sft_recipe/data/prepared_copy.py); the trainer given those rows does
 exactly what it would do with the raw rows, without tokenizing them again. Multi-process ordering runs in the real
 launches of tests/e2e/test_train.py, test_multinode.py and tests/test_deepspeed.py (their run records' `data`)."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,13 @@ from sft_recipe.config.args import parse_args
 from sft_recipe.config.launch_env import LaunchEnv
 from sft_recipe.data import prepared_copy as pc
 from sft_recipe.data import report as data_report
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    """Copies in this test's own datasets cache."""
+    monkeypatch.setattr(pc, "copy_root", lambda: tmp_path / "cache" / pc.PREPARED_DIR)
+    return tmp_path / "cache" / pc.PREPARED_DIR
 
 
 def _args(tiny, out, *flags):
@@ -88,18 +96,19 @@ def test_a_second_launch_reads_the_copy_and_a_change_that_decides_it_prepares_it
     shutil.copytree(tiny.jsonl_dir, data_dir)
     out = tmp_path / "out"
 
-    def launch(*flags, chat="chatml"):
+    def launch(*flags, chat="chatml", output_dir=out):
         m, d, _, t = parse_args(["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(data_dir),
-                                 "--output_dir", str(out), "--chat_template_format", chat, "--report_to", "none",
+                                 "--output_dir", str(output_dir), "--chat_template_format", chat, "--report_to", "none",
                                  *flags], LaunchEnv())
         data, reused = pc.prepare_here(d, t, _tokenizer(m))
         return data, reused, t
 
     first, reused, t = launch()
-    assert not reused and (out / pc.PREPARED_DIR / pc.META_FILE).is_file()
+    assert not reused and (Path(first.copy_dir) / pc.META_FILE).is_file()
     again, reused, _ = launch("--max_seq_len", "32", "--packing", "True")  # cut and packing: not in the key
     assert reused and again.formats == first.formats and again.rows_read == first.rows_read
     assert again.tokenized["train"]["input_ids"] == first.tokenized["train"]["input_ids"]
+    assert launch(output_dir=tmp_path / "another-run")[1]  # a sweep's next run, into its own output_dir
     assert launch(chat="zephyr")[1] is False  # another chat template: another tokenization
     assert launch(chat="zephyr")[1] is True
     assert launch("--dataset_role_map", "human=user", chat="zephyr")[1] is False  # a format flag
@@ -108,15 +117,14 @@ def test_a_second_launch_reads_the_copy_and_a_change_that_decides_it_prepares_it
                                          {"role": "assistant", "content": "Yes."}]}) + "\n")
     changed, reused, _ = launch("--dataset_role_map", "human=user", chat="zephyr")
     assert not reused and changed.rows_read["train"] == first.rows_read["train"] + 1
-    assert sorted(p.name for p in out.iterdir() if "prepared" in p.name) == [pc.PREPARED_DIR]  # one copy, no leftovers
+    assert not [p for p in pc.copy_root().iterdir() if p.name.startswith(".")]  # nothing half-written left
 
 
 @pytest.mark.parametrize("damage", ["meta", "split", "foreign"])
 def test_a_damaged_or_foreign_copy_is_prepared_again(tiny, tmp_path, damage):
     m, d, _, t = _args(tiny, tmp_path / "out")
     tokenizer = _tokenizer(m)
-    pc.prepare_here(d, t, tokenizer)
-    folder = tmp_path / "out" / pc.PREPARED_DIR
+    folder = Path(pc.prepare_here(d, t, tokenizer)[0].copy_dir)
     if damage == "meta":
         (folder / pc.META_FILE).write_text("{not json")
     elif damage == "split":
@@ -144,7 +152,7 @@ def test_a_copy_that_cannot_be_written_leaves_the_run_going_and_nothing_half_wri
     data, reused = pc.prepare_here(d, t, _tokenizer(m))
     assert not reused and len(data.tokenized["train"]) == data.rows_read["train"]
     assert "could not keep the prepared data" in caplog.text and "No space left" in caplog.text
-    assert not [p for p in (tmp_path / "out").iterdir() if "prepared" in p.name]
+    assert not pc.copy_root().exists() or not list(pc.copy_root().iterdir())
 
 
 def test_the_report_is_the_same_read_a_few_rows_at_a_time(tiny, tmp_path, monkeypatch):
@@ -163,5 +171,24 @@ def test_tokenizing_processes_come_from_the_cpus_with_enough_rows_each():
     assert pc.tokenizing_processes(10 * pc.MIN_ROWS_PER_PROCESS, None) == min(cpus, 10)
     assert pc.tokenizing_processes(10 * pc.MIN_ROWS_PER_PROCESS, 3) == 3  # --dataset_num_proc decides
     assert pc.describe({"prepared_on_ranks": [0], "read_copy_on_ranks": [1, 2], "seconds_per_rank": [3.0, 0, 0]},
-                       "out/prepared_data") == "data: prepared by rank 0 in 3.0 s; rank 1, 2 read its copy " \
-                                               "(out/prepared_data)"
+                       "cache/x") == "data: prepared by rank 0 in 3.0 s, kept in cache/x; rank 1, 2 read it"
+
+
+def test_a_launch_with_the_same_cut_reads_its_report_beside_the_copy_and_another_cut_measures_again(
+        tiny, tmp_path, monkeypatch):
+    def launch(*flags):
+        m, d, _, t = _args(tiny, tmp_path / "out", *flags)
+        tokenizer = _tokenizer(m)
+        data, _ = pc.prepare_here(d, t, tokenizer)
+        return pc.measure_report(data, tokenizer, t)
+
+    first = launch("--max_seq_len", "24", "--packing", "False")
+    real = data_report._example_stats
+    monkeypatch.setattr(data_report, "_example_stats", lambda *a: pytest.fail("read every token again"))
+    assert launch("--max_seq_len", "24", "--packing", "False") == first  # a resume: no token read
+    monkeypatch.setattr(data_report, "_example_stats", real)
+    other = launch("--max_seq_len", "48", "--packing", "False")
+    assert other.max_length == 48
+    assert other.splits["train"].examples_cut_share < first.splits["train"].examples_cut_share
+    (folder,) = pc.copy_root().iterdir()
+    assert len(json.loads((folder / pc.META_FILE).read_text())["reports"]) == 2
