@@ -81,3 +81,16 @@ def test_dtype_bench_smoke_halves_the_base_as_the_plan_says():
     assert len(rows) == 1, proc.stdout
     load_ratio, wrap_ratio = (float(x) for x in rows[0].split("|")[5].split("/"))
     assert abs(load_ratio - 1) < 0.05 and abs(wrap_ratio - 1) < 0.05, rows[0]  # the base's bytes halved, as planned
+
+
+def test_data_prep_bench_smoke_prints_both_paths_cold_and_warm_and_ours_reads_its_copy_warm(tmp_path):
+    """bench/data_prep.py at 200 rows: upstream's path and ours, cold and warm, with the ratio."""
+    proc = _bench("bench/data_prep.py", "--rows", "200", "--max_length", "256", "--keep", str(tmp_path),
+                  timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| 200 |")]
+    assert [r[1].strip() for r in rows] == ["upstream", "ours", "ours / upstream"]
+    assert all(float(v) > 0 for r in rows[:2] for v in r[2:6])  # seconds and peak RSS, cold and warm
+    assert rows[2][2].strip().endswith("x") and rows[2][3].strip().endswith("x")
+    assert "data: prepared by rank 0" in (tmp_path / "ours-200-cold.log").read_text()
+    assert "data: read the copy a previous launch prepared" in (tmp_path / "ours-200-warm.log").read_text()

@@ -98,3 +98,28 @@ def test_the_table_prints_every_workaround_and_override():
     assert proc.returncode == 0, proc.stderr[-2000:]  # 1 would mean a signature drifted
     for name in [w.name for w in WORKAROUNDS] + [o.method for o in TRAINER_OVERRIDES]:
         assert name in proc.stdout, name
+
+
+def test_a_bad_row_found_by_the_preparing_rank_stops_every_rank_with_exit_2(tiny, tmp_path):
+    # Rank 0 alone reads and checks the rows (sft_recipe/data/prepared_copy.py); rank 1 learns the outcome by
+    # message and stops with the same exit code, instead of waiting at a barrier for a process that has gone.
+    import json
+    import re
+    import shutil
+
+    from tests.helpers import launch_train
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny.jsonl_dir, data)
+    with open(data / "train.jsonl", "a") as f:
+        f.write(json.dumps({"messages": [{"role": "human", "content": "Hi?"}]}) + "\n")
+    result = launch_train("cpu/fsdp_config.yaml", tmp_path / "o", [
+        "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(data), "--max_steps", "1",
+        "--report_to", "none"])
+    assert result.returncode != 0
+    assert result.output.count("has the unknown role 'human'") == 1  # listed once, by the main process
+    assert "--dataset_role_map human=user" in result.output
+    exit_codes = re.findall(r"rank\s+: (\d) \(local_rank: \d\)\s+exitcode\s+: (\d+)", result.output)
+    assert sorted(exit_codes) == [("0", "2"), ("1", "2")], result.output[-3000:]
+    ours = result.output.split("torch/distributed/elastic")[0]  # before the launcher's own report of the exits
+    assert "error: 2 configuration problem(s)" in ours and "Traceback" not in ours

@@ -131,6 +131,9 @@ class DataTrainingArguments:
         metadata={"help": "Drop rows that fail the data checks (the count dropped is reported) instead of "
                           "stopping with the list of problems."},
     )
+    dataset_streaming: bool = field(default=False, metadata={
+        "help": "Refused with what works instead (TRL's scripts' flag): rows are memory-mapped from disk, so memory "
+                "stays flat in the rows without it (docs/data.md)."})
     preview_examples: int = field(
         default=0,
         metadata={"help": "Print this many training examples as the model sees them, loss-carrying tokens marked, "

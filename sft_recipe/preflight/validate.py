@@ -236,6 +236,13 @@ def _training_problems(m: ModelArguments, d: DataTrainingArguments, r: RecipeArg
     if str(t.eval_strategy).split(".")[-1].lower() != "no" and not has_test_split:
         problems.append(f"--eval_strategy {str(t.eval_strategy).split('.')[-1].lower()} needs a test split, but "
                         f"--splits is '{d.splits}'. Fix: --splits train,test or --eval_strategy no.")
+    if d.dataset_streaming:
+        problems.append("--dataset_streaming True: every row is checked, the data report measured and the rows "
+                        "tokenized once before any weight loads, which needs the whole split; a stream would give "
+                        "the first rows only. Without it memory does not grow with the rows: `datasets` memory-maps "
+                        "them from disk (docs/data.md). Fix: drop the flag; for a Hub dataset larger than the disk, "
+                        "save a slice (`load_dataset(name, split='train[:N]').save_to_disk(folder)`) and pass "
+                        "--dataset_name folder.")
     fsdp1_on_cpu = launch.fsdp_on_cpu and launch.fsdp_version == 1
     if fsdp1_on_cpu and t.bf16 and t.gradient_checkpointing and not m.use_reentrant:
         problems.append("FSDP1 on CPU with --bf16 True and --gradient_checkpointing True --use_reentrant False fails "

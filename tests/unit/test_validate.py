@@ -81,6 +81,7 @@ MISTAKES = {
     "accumulation zero": (["--gradient_accumulation_steps", "0"], {}, "--gradient_accumulation_steps 0"),
     "learning rate zero": (["--learning_rate", "0"], {}, "--learning_rate 0.0: must be positive"),
     "nothing to train": (["--num_train_epochs", "0"], {}, "nothing to train"),
+    "streaming asked": (["--dataset_streaming", "True"], {}, "--dataset_streaming True: every row is checked"),
     "eval without test split": (["--eval_strategy", "epoch", "--splits", "train"], {}, "needs a test split"),
     "dataset missing": (["--dataset_name", "./no/such/data"], {}, "no such file or folder"),
     "split missing": (["--splits", "train,test_extra"], {}, "no split 'test_extra'"),
