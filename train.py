@@ -38,7 +38,7 @@ from sft_recipe.config.args import parse_args
 from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
 from sft_recipe.data import report as data_report
 from sft_recipe.data.prepare import dataset_flag_notes
-from sft_recipe.data.prepared_copy import measure_report, prepare_data
+from sft_recipe.data.prepared_copy import confirm_report, measure_report, prepare_data
 from sft_recipe.errors import ConfigError
 from sft_recipe.logs import quiet_other_ranks
 from sft_recipe.plan import plan_memory
@@ -107,7 +107,7 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
         peft_config=lora_config(model_args, new_token_ids, training_args.trust_remote_code),
         verify_adapter=recipe_args.verify_adapter,
     )
-    data_report.confirm(report, trainer.train_dataset, training_args.output_dir, launch.is_main_process)
+    confirm_report(report, data, trainer.train_dataset, training_args, launch.is_main_process)  # the trainer's counts
     record = RunRecord.attach(trainer, recipe_args.peak_tflops_per_device)  # how it ran, tokens/s, memory, losses
     record.set("data", **data.preparation)  # which ranks prepared the data, which read their copy
     # Every rank stops at the same step end on SIGTERM/SIGUSR1/Ctrl-C (checkpointed) or a non-finite loss or

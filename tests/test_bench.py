@@ -86,7 +86,7 @@ def test_dtype_bench_smoke_halves_the_base_as_the_plan_says():
 def test_data_prep_bench_smoke_prints_both_paths_cold_and_warm_and_ours_reads_its_copy_warm(tmp_path):
     """bench/data_prep.py at 200 rows: upstream's path and ours, cold and warm, with the ratio."""
     proc = _bench("bench/data_prep.py", "--rows", "200", "--max_length", "256", "--keep", str(tmp_path),
-                  timeout=600)
+                  "--warm_rounds", "1", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| 200 |")]
     assert [r[1].strip() for r in rows] == ["upstream", "ours", "ours / upstream"]

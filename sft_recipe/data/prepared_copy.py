@@ -35,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 PREPARED_DIR = "sft_recipe_prepared"  # under datasets' cache folder
 META_FILE = "prepared.json"
-FORMAT_VERSION = 1  # bump when what is saved, or how the rows are prepared, changes
-MIN_ROWS_PER_PROCESS = 2000  # below this a worker's start-up costs more than its share of the tokenizing saves
+FORMAT_VERSION = 2  # bump when what is saved, or how the rows are prepared, changes
+MIN_ROWS_PER_PROCESS = 1000  # below this a worker's start-up costs more than its share of the tokenizing saves
 TOKEN_COLUMNS = ["input_ids", "labels"]
 VERSIONED = ("trl", "datasets", "transformers", "tokenizers", "jinja2")
 
@@ -102,19 +102,55 @@ def copy_root() -> Path:
 
 def load_copy(key: str) -> PreparedData | None:
     """The copy prepared under `key`, else None (none yet, or unreadable: then it is prepared again)."""
-    from datasets import load_from_disk
-
     folder = copy_root() / key
     try:
         meta = json.loads((folder / META_FILE).read_text())
         if meta.get("key") != key:
             return None
-        tokenized = {role: load_from_disk(str(folder / role)) for role in meta["roles"]}
+        parts = meta.get("parts", {})
+        tokenized = {role: _read_split(folder / role, parts.get(role)) for role in meta["roles"]}
     except Exception:  # noqa: BLE001 -- missing, half-copied by hand, another datasets version: prepare again
         return None
     return PreparedData(datasets={}, formats=meta["formats"], notes=meta["notes"], rows_read=meta["rows_read"],
                         rows_dropped=meta["rows_dropped"], chat_template=meta["chat_template"], tokenized=tokenized,
                         reports=meta.get("reports", {}), copy_dir=str(folder))
+
+
+def _write_split(dataset, folder: Path) -> list[str] | None:
+    """The split's Arrow files as TRL's last map wrote them, hard-linked into `folder` (no byte copied, no byte read:
+    a copy would read and write the whole split again), or copied where the cache is another filesystem. A split
+    that is not wholly those files (rows in memory, a row selection on top) is saved with `save_to_disk` instead
+    (returns None)."""
+    files = [f["filename"] for f in dataset.cache_files]
+    if not files or dataset._indices is not None or sum(_rows_in(f) for f in files) != len(dataset):
+        dataset.select_columns(TOKEN_COLUMNS).save_to_disk(str(folder))
+        return None
+    folder.mkdir(parents=True)
+    names = []
+    for n, source in enumerate(files):
+        names.append(f"part-{n:05d}.arrow")
+        try:
+            os.link(source, folder / names[-1])
+        except OSError:  # another filesystem, or links not allowed: a copy
+            shutil.copyfile(source, folder / names[-1])
+    return names
+
+
+def _rows_in(path: str) -> int:
+    from datasets import Dataset
+
+    return len(Dataset.from_file(path))
+
+
+def _read_split(folder: Path, parts: list[str] | None):
+    """A split written by `_write_split`: its linked Arrow files, memory-mapped, token columns only."""
+    from datasets import Dataset, concatenate_datasets, load_from_disk
+
+    if parts is None:
+        return load_from_disk(str(folder))
+    splits = [Dataset.from_file(str(folder / name)) for name in parts]
+    dataset = splits[0] if len(splits) == 1 else concatenate_datasets(splits)
+    return dataset.select_columns(TOKEN_COLUMNS)
 
 
 def save_copy(data: PreparedData, key: str) -> bool:
@@ -127,10 +163,10 @@ def save_copy(data: PreparedData, key: str) -> bool:
     try:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        for role, dataset in data.tokenized.items():  # what the trainer reads; the rows' text is in the data files
-            dataset.select_columns(TOKEN_COLUMNS).save_to_disk(str(tmp / role))
-        meta = {"key": key, "roles": list(data.tokenized), "formats": data.formats, "notes": data.notes,
-                "rows_read": data.rows_read, "rows_dropped": data.rows_dropped, "chat_template": data.chat_template}
+        parts = {role: _write_split(dataset, tmp / role) for role, dataset in data.tokenized.items()}
+        meta = {"key": key, "roles": list(data.tokenized), "parts": parts, "formats": data.formats,
+                "notes": data.notes, "rows_read": data.rows_read, "rows_dropped": data.rows_dropped,
+                "chat_template": data.chat_template}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
         if folder.exists() and load_copy(key) is None:
             folder.rename(old)  # damaged: replaced
@@ -147,26 +183,49 @@ def save_copy(data: PreparedData, key: str) -> bool:
     return True
 
 
+def _report_key(training_args) -> str:
+    """What decides a copy's report: the cut and the packing (the trainer's counts too: order does not change them)."""
+    return json.dumps([training_args.max_length, bool(training_args.packing), training_args.packing_strategy,
+                       training_args.truncation_mode, FORMAT_VERSION])
+
+
+def _keep_report(data: PreparedData, training_args, report) -> None:
+    from sft_recipe.atomic import write_atomically
+
+    if data.copy_dir is None:
+        return
+    meta_path = Path(data.copy_dir) / META_FILE
+    try:
+        meta = json.loads(meta_path.read_text())
+        meta.setdefault("reports", {})[_report_key(training_args)] = json.loads(report.to_json())
+        write_atomically(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
+    except (OSError, ValueError):  # a read-only or full cache: measured again next time
+        pass
+
+
 def measure_report(data: PreparedData, tokenizer, training_args):
     """The data report for this launch's cut and packing: the one measured on this copy before with the same
     settings (a resume reads no token), else measured now and kept beside the copy for the next launch."""
-    from sft_recipe.atomic import write_atomically
     from sft_recipe.data.report import DataReport, measure
 
-    key = json.dumps([training_args.max_length, bool(training_args.packing), training_args.packing_strategy,
-                      training_args.truncation_mode, FORMAT_VERSION])
-    if key in data.reports:
-        return DataReport.from_dict(data.reports[key])
+    if (kept := data.reports.get(_report_key(training_args))) is not None:
+        return DataReport.from_dict(kept)
     report = measure(data, tokenizer, training_args)
-    if data.copy_dir is not None:
-        meta_path = Path(data.copy_dir) / META_FILE
-        try:
-            meta = json.loads(meta_path.read_text())
-            meta.setdefault("reports", {})[key] = json.loads(report.to_json())
-            write_atomically(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
-        except (OSError, ValueError):  # a read-only or full cache: measured again next time
-            pass
+    _keep_report(data, training_args, report)
     return report
+
+
+def confirm_report(report, data: PreparedData, train_dataset, training_args, is_main_process: bool) -> None:
+    """The trainer's own token counts beside the prediction (data/report.py `confirm`): read from the trainer's rows
+    once per copy and cut, then kept with the report (a resume reads no token)."""
+    from sft_recipe.data.report import confirm
+
+    if not is_main_process:
+        return
+    if report.trainer_check is not None and report.trainer_check["matches_prediction"]:
+        return  # measured by an earlier launch on the same rows, and data_report.json already holds it
+    confirm(report, train_dataset, training_args.output_dir, is_main_process)
+    _keep_report(data, training_args, report)
 
 
 def tokenize(data: PreparedData, tokenizer, training_args) -> PreparedData:

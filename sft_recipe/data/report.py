@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -113,6 +114,26 @@ BATCH_ROWS = 256  # rows read at a time: the report holds this many examples' to
 #                   per int64 column), whatever the number of rows
 
 
+def token_batches(dataset, columns: list[str]):
+    """The split's `columns`, a batch of rows at a time (Arrow tables). A split that is wholly its Arrow files is read
+    from them as a stream, into memory freed batch by batch: reading it through the memory map would leave every
+    page read resident in this process (file-backed RSS growing with the rows) until the split is dropped."""
+    import pyarrow as pa
+
+    files = [f["filename"] for f in dataset.cache_files]
+    if not files or dataset._indices is not None or any(not os.path.isfile(f) for f in files):
+        yield from dataset.select_columns(columns).with_format("arrow").iter(batch_size=BATCH_ROWS)
+        return
+    rows = 0
+    for path in files:
+        with pa.OSFile(path) as source:
+            for batch in pa.ipc.open_stream(source):
+                rows += batch.num_rows
+                yield pa.Table.from_batches([batch.select(columns)])
+    if rows != len(dataset):  # files that are not this split's rows after all: what the split says
+        raise RuntimeError(f"the split's Arrow files hold {rows} rows, the split {len(dataset)}")
+
+
 def _example_stats(tokenized, limit: int | None, keep: str, eos_token_id) -> dict[str, np.ndarray]:
     """Per example: tokens, loss tokens kept by a cut at `limit` (`keep`: "all", "start" or "end"), whether it ends
     in EOS and whether that EOS carries loss. Read through Arrow a batch at a time: per-example numbers only, never
@@ -120,7 +141,7 @@ def _example_stats(tokenized, limit: int | None, keep: str, eos_token_id) -> dic
     import pyarrow.compute as pc
 
     parts: dict[str, list] = {"lengths": [], "loss_kept": [], "ends_in_eos": [], "eos_has_loss": []}
-    for batch in tokenized.with_format("arrow").iter(batch_size=BATCH_ROWS):
+    for batch in token_batches(tokenized, ["input_ids", "labels"]):
         lengths = np.asarray(pc.list_value_length(batch["input_ids"]), dtype=np.int64)
         ids = np.asarray(pc.list_flatten(batch["input_ids"]), dtype=np.int64)
         labels = np.asarray(pc.list_flatten(batch["labels"]), dtype=np.int64)
@@ -256,7 +277,7 @@ def confirm(report: DataReport, train_dataset, output_dir: str, is_main_process:
         return
 
     tokens = loss_tokens = 0
-    for batch in train_dataset.with_format("arrow").iter(batch_size=BATCH_ROWS):
+    for batch in token_batches(train_dataset, ["labels"]):
         labels = np.asarray(pc.list_flatten(batch["labels"]), dtype=np.int64)
         tokens, loss_tokens = tokens + len(labels), loss_tokens + int((labels != IGNORE).sum())
     train = report.splits["train"]

@@ -141,14 +141,13 @@ def test_a_copy_that_cannot_be_written_leaves_the_run_going_and_nothing_half_wri
                                                                                       caplog):
     import errno
 
-    from datasets import Dataset
-
     m, d, _, t = _args(tiny, tmp_path / "out")
 
-    def full(self, *args, **kwargs):
+    def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(Dataset, "save_to_disk", full)
+    monkeypatch.setattr(pc.os, "link", full)  # the copy's links, and the copy made where links fail
+    monkeypatch.setattr(pc.shutil, "copyfile", full)
     data, reused = pc.prepare_here(d, t, _tokenizer(m))
     assert not reused and len(data.tokenized["train"]) == data.rows_read["train"]
     assert "could not keep the prepared data" in caplog.text and "No space left" in caplog.text
@@ -159,7 +158,12 @@ def test_the_report_is_the_same_read_a_few_rows_at_a_time(tiny, tmp_path, monkey
     m, d, _, t = _args(tiny, tmp_path / "out", "--packing", "False", "--max_seq_len", "24")
     tokenizer = _tokenizer(m)
     data = pc.tokenize(pc.prepare(pc.read_splits(d), d, t.dataset_text_field, tokenizer), tokenizer, t)
+    assert data.tokenized["train"].cache_files  # read from its Arrow files as a stream, batch by batch
     whole = data_report.measure(data, tokenizer, t)
+    from datasets import Dataset
+
+    data.tokenized = {role: Dataset.from_dict(ds.to_dict()) for role, ds in data.tokenized.items()}  # in memory
+    assert not data.tokenized["train"].cache_files
     monkeypatch.setattr(data_report, "BATCH_ROWS", 7)  # 240 rows: 35 batches, the last one short
     assert data_report.measure(data, tokenizer, t) == whole
     assert whole.splits["train"].examples_cut_share > 0  # the cut is measured, not trivially zero
@@ -192,3 +196,40 @@ def test_a_launch_with_the_same_cut_reads_its_report_beside_the_copy_and_another
     assert other.splits["train"].examples_cut_share < first.splits["train"].examples_cut_share
     (folder,) = pc.copy_root().iterdir()
     assert len(json.loads((folder / pc.META_FILE).read_text())["reports"]) == 2
+
+
+def test_the_trainers_own_counts_are_read_once_per_copy_and_cut(tiny, tmp_path, monkeypatch):
+    def launch():
+        m, d, _, t = _args(tiny, tmp_path / "out", "--max_seq_len", "32", "--packing", "True")
+        tokenizer = _tokenizer(m)
+        data, _ = pc.prepare_here(d, t, tokenizer)
+        report = pc.measure_report(data, tokenizer, t)
+        trainer = _trainer(tiny, tokenizer, data.tokenized["train"], t)
+        pc.confirm_report(report, data, trainer.train_dataset, t, True)
+        return report
+
+    first = launch()
+    assert first.trainer_check["matches_prediction"], first.trainer_check
+    monkeypatch.setattr(data_report, "confirm", lambda *a: pytest.fail("read the trainer's rows again"))
+    assert launch().trainer_check == first.trainer_check
+
+
+@pytest.mark.parametrize("processes", [None, 2])
+def test_the_copy_links_the_files_tokenizing_wrote_and_reads_back_the_same_rows(tiny, tmp_path, processes):
+    shutil.copytree(tiny.jsonl_dir, tmp_path / "data")  # data of its own: no map cache of an earlier test
+    m, d, _, t = parse_args(["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tmp_path / "data"),
+                             "--output_dir", str(tmp_path / "out"), "--chat_template_format", "chatml"], LaunchEnv())
+    tokenizer = _tokenizer(m)
+    data = pc.prepare(pc.read_splits(d), d, t.dataset_text_field, tokenizer)
+    data.tokenized = {role: data_report.tokenize_like_trl(ds, tokenizer, t, num_proc=processes, name=role)
+                      for role, ds in data.datasets.items()}
+    written = [f["filename"] for f in data.tokenized["train"].cache_files]
+    assert len(written) == (processes or 1)  # one Arrow file per tokenizing process
+    assert pc.save_copy(data, "k")
+    copy = pc.load_copy("k")
+    linked = sorted((pc.copy_root() / "k" / "train").glob("part-*.arrow"))
+    assert [os.stat(p).st_ino for p in linked] == [os.stat(p).st_ino for p in written]  # links: no byte copied
+    for role, fresh in data.tokenized.items():
+        assert copy.tokenized[role].column_names == pc.TOKEN_COLUMNS
+        for column in pc.TOKEN_COLUMNS:
+            assert copy.tokenized[role][column] == fresh[column], (role, column)
