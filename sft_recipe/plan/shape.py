@@ -12,7 +12,9 @@ from sft_recipe.errors import ConfigError
 PACKAGE_DIR = Path(__file__).resolve().parent
 MODELS_DIR = PACKAGE_DIR / "models"
 # Hub ids whose architecture ships in MODELS_DIR.
-KNOWN_MODEL_CONFIGS = {"meta-llama/Llama-2-70b-hf": MODELS_DIR / "llama-2-70b"}
+KNOWN_MODEL_CONFIGS = {"meta-llama/Llama-2-70b-hf": MODELS_DIR / "llama-2-70b",
+                       "meta-llama/Llama-2-7b-hf": MODELS_DIR / "llama-2-7b",
+                       "01-ai/Yi-34B": MODELS_DIR / "yi-34b"}
 
 
 @dataclass(frozen=True)
