@@ -37,7 +37,6 @@ PREPARED_DIR = "sft_recipe_prepared"  # under datasets' cache folder
 META_FILE = "prepared.json"
 FORMAT_VERSION = 2  # bump when what is saved, or how the rows are prepared, changes
 MIN_ROWS_PER_PROCESS = 1000  # below this a worker's start-up costs more than its share of the tokenizing saves
-TOKEN_COLUMNS = ["input_ids", "labels"]
 VERSIONED = ("trl", "datasets", "transformers", "tokenizers", "jinja2")
 
 
@@ -123,7 +122,7 @@ def _write_split(dataset, folder: Path) -> list[str] | None:
     (returns None)."""
     files = [f["filename"] for f in dataset.cache_files]
     if not files or dataset._indices is not None or sum(_rows_in(f) for f in files) != len(dataset):
-        dataset.select_columns(TOKEN_COLUMNS).save_to_disk(str(folder))
+        dataset.save_to_disk(str(folder))
         return None
     folder.mkdir(parents=True)
     names = []
@@ -143,14 +142,15 @@ def _rows_in(path: str) -> int:
 
 
 def _read_split(folder: Path, parts: list[str] | None):
-    """A split written by `_write_split`: its linked Arrow files, memory-mapped, token columns only."""
+    """A split written by `_write_split`: its linked Arrow files, memory-mapped. Every column TRL's map kept: the
+    trainer checks the rows' own (a conversation, under --assistant_only_loss) before it sees the tokens."""
     from datasets import Dataset, concatenate_datasets, load_from_disk
 
     if parts is None:
         return load_from_disk(str(folder))
     splits = [Dataset.from_file(str(folder / name)) for name in parts]
     dataset = splits[0] if len(splits) == 1 else concatenate_datasets(splits)
-    return dataset.select_columns(TOKEN_COLUMNS)
+    return dataset
 
 
 def save_copy(data: PreparedData, key: str) -> bool:

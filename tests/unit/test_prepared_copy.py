@@ -67,17 +67,19 @@ def test_trl_preparation_still_orders_ranks(tiny, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("flags", [("--packing", "True"), ("--packing", "False"),
-                                   ("--packing", "False", "--truncation_mode", "keep_end")],
-                         ids=["packing", "truncation", "keep_end"])
+                                   ("--packing", "False", "--truncation_mode", "keep_end"),
+                                   ("--packing", "True", "--assistant_only_loss", "True")],
+                         ids=["packing", "truncation", "keep_end", "assistant_only_loss"])
 def test_the_trainer_cuts_or_packs_the_tokenized_rows_as_it_would_the_raw_rows_without_tokenizing(
         tiny, tmp_path, monkeypatch, flags):
     import trl.trainer.sft_trainer as sft
 
     m, d, _, t = _args(tiny, tmp_path / "out", "--max_seq_len", "24", *flags)  # some examples are cut
     tokenizer = _tokenizer(m)
-    data = pc.prepare(pc.read_splits(d), d, t.dataset_text_field, tokenizer)
+    data = pc.prepare(pc.read_splits(d), d, t.dataset_text_field, tokenizer,
+                      assistant_only_loss=t.assistant_only_loss)
     from_rows = _trainer(tiny, tokenizer, data.datasets["train"], t).train_dataset
-    pc.tokenize(data, tokenizer, t)
+    data, _ = pc.prepare_here(d, t, tokenizer)  # as train.py gets it: the copy, read back
     calls = []
     real = sft._tokenize
     monkeypatch.setattr(sft, "_tokenize", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -230,6 +232,6 @@ def test_the_copy_links_the_files_tokenizing_wrote_and_reads_back_the_same_rows(
     linked = sorted((pc.copy_root() / "k" / "train").glob("part-*.arrow"))
     assert [os.stat(p).st_ino for p in linked] == [os.stat(p).st_ino for p in written]  # links: no byte copied
     for role, fresh in data.tokenized.items():
-        assert copy.tokenized[role].column_names == pc.TOKEN_COLUMNS
-        for column in pc.TOKEN_COLUMNS:
+        assert copy.tokenized[role].column_names == fresh.column_names  # the rows' own columns too
+        for column in fresh.column_names:
             assert copy.tokenized[role][column] == fresh[column], (role, column)
