@@ -18,7 +18,6 @@ from it, is kept beside it per cut and packing. Copies are not removed: delete t
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from sft_recipe.compat import installed_version
 from sft_recipe.config.args import DataTrainingArguments
 from sft_recipe.data.prepare import PreparedData, locate_splits, prepare, read_splits
 from sft_recipe.errors import ConfigError
@@ -80,16 +80,9 @@ def preparation_key(data_args: DataTrainingArguments, training_args, tokenizer, 
         "trl_flags": {k: getattr(training_args, k, None) for k in
                       ("dataset_text_field", "assistant_only_loss", "completion_only_loss")},
         "tokenizer": _tokenizer_identity(tokenizer),
-        "versions": {name: _version(name) for name in VERSIONED},
+        "versions": {name: str(installed_version(name)) for name in VERSIONED},
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "-"
 
 
 def copy_root() -> Path:
@@ -170,14 +163,18 @@ def save_copy(data: PreparedData, key: str) -> bool:
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
         if folder.exists() and load_copy(key) is None:
             folder.rename(old)  # damaged: replaced
-        if folder.exists():
-            shutil.rmtree(tmp, ignore_errors=True)  # another process got there first: its copy is the same
-        else:
+        try:
             tmp.rename(folder)
-    except OSError as e:
+        except OSError:  # a second launch on the same data got there first (a sweep): its copy is the same
+            if load_copy(key) is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:  # a full disk, or Ctrl-C while writing: no half-written folder is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, OSError):
+            raise
         logger.warning(f"data: could not keep the prepared data in {folder} ({e.strerror or e}); this launch goes "
                        "on with it in the datasets cache, and a later one prepares it again.")
-        shutil.rmtree(tmp, ignore_errors=True)
         return False
     shutil.rmtree(old, ignore_errors=True)
     return True

@@ -235,3 +235,23 @@ def test_the_copy_links_the_files_tokenizing_wrote_and_reads_back_the_same_rows(
         assert copy.tokenized[role].column_names == fresh.column_names  # the rows' own columns too
         for column in fresh.column_names:
             assert copy.tokenized[role][column] == fresh[column], (role, column)
+
+
+def test_two_launches_saving_the_same_copy_keep_one_and_ctrl_c_while_saving_leaves_nothing(tiny, tmp_path,
+                                                                                            monkeypatch):
+    m, d, _, t = _args(tiny, tmp_path / "out")
+    tokenizer = _tokenizer(m)
+    data = pc.tokenize(pc.prepare(pc.read_splits(d), d, t.dataset_text_field, tokenizer), tokenizer, t)
+    assert pc.save_copy(data, "k")
+    first = (pc.copy_root() / "k" / pc.META_FILE).stat().st_ino
+    assert pc.save_copy(data, "k")  # a second launch finishing later: the first copy stays, no warning, no leftover
+    assert (pc.copy_root() / "k" / pc.META_FILE).stat().st_ino == first
+    assert sorted(p.name for p in pc.copy_root().iterdir()) == ["k"]
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pc, "_write_split", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pc.save_copy(data, "other")
+    assert sorted(p.name for p in pc.copy_root().iterdir()) == ["k"]
