@@ -113,8 +113,10 @@ def _write_split(dataset, folder: Path) -> list[str] | None:
     a copy would read and write the whole split again), or copied where the cache is another filesystem. A split
     that is not wholly those files (rows in memory, a row selection on top) is saved with `save_to_disk` instead
     (returns None)."""
-    files = [f["filename"] for f in dataset.cache_files]
-    if not files or dataset._indices is not None or sum(_rows_in(f) for f in files) != len(dataset):
+    from sft_recipe.data.report import arrow_files
+
+    files = arrow_files(dataset)
+    if files is None or sum(_rows_in(f) for f in files) != len(dataset):
         dataset.save_to_disk(str(folder))
         return None
     folder.mkdir(parents=True)

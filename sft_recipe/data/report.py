@@ -114,14 +114,23 @@ BATCH_ROWS = 256  # rows read at a time: the report holds this many examples' to
 #                   per int64 column), whatever the number of rows
 
 
+def arrow_files(dataset) -> list[str] | None:
+    """The Arrow files a split is read from, when it is those files' rows as they stand (no row selection on top),
+    else None (rows in memory)."""
+    files = [f["filename"] for f in dataset.cache_files]
+    if not files or dataset._indices is not None or any(not os.path.isfile(f) for f in files):
+        return None
+    return files
+
+
 def token_batches(dataset, columns: list[str]):
     """The split's `columns`, a batch of rows at a time (Arrow tables). A split that is wholly its Arrow files is read
     from them as a stream, into memory freed batch by batch: reading it through the memory map would leave every
     page read resident in this process (file-backed RSS growing with the rows) until the split is dropped."""
     import pyarrow as pa
 
-    files = [f["filename"] for f in dataset.cache_files]
-    if not files or dataset._indices is not None or any(not os.path.isfile(f) for f in files):
+    files = arrow_files(dataset)
+    if files is None:
         yield from dataset.select_columns(columns).with_format("arrow").iter(batch_size=BATCH_ROWS)
         return
     rows = 0
