@@ -47,6 +47,8 @@ class LaunchEnv:
     deepspeed_zero_stage: str = ""     # ACCELERATE_DEEPSPEED_ZERO_STAGE
     deepspeed_zero3_init: bool = False
     deepspeed_zero3_save_16bit_model: bool = False
+    deepspeed_offload_param_device: str = ""      # ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE (none|cpu|nvme)
+    deepspeed_offload_optimizer_device: str = ""  # ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE
     gradient_accumulation_steps: str = ""  # ACCELERATE_GRADIENT_ACCUMULATION_STEPS (a DeepSpeed config's own value)
     hub_offline: bool = False          # HF_HUB_OFFLINE, read with huggingface_hub's own rule (it is the hub's)
     hf_token_set: bool = False         # HF_TOKEN is exported (the token's value is never kept)
@@ -83,8 +85,10 @@ class LaunchEnv:
     def accelerate_config(self) -> dict[str, Any]:
         """The accelerate YAML rebuilt from what the launcher exported (what the memory plan reads in train.py)."""
         machines = max(1, self.world_size // max(1, self.local_world_size or self.world_size))
+        kind = "FSDP" if self.use_fsdp else "DEEPSPEED" if self.use_deepspeed else (
+            "MULTI_GPU" if self.world_size > 1 else "NO")
         cfg: dict[str, Any] = {
-            "distributed_type": "FSDP" if self.use_fsdp else ("MULTI_GPU" if self.world_size > 1 else "NO"),
+            "distributed_type": kind,
             "num_processes": self.world_size, "num_machines": machines, "mixed_precision": self.mixed_precision,
         }
         if self.use_fsdp:
@@ -94,6 +98,12 @@ class LaunchEnv:
                 "fsdp_reshard_after_forward": self.fsdp_reshard_after_forward,
                 "fsdp_offload_params": self.fsdp_offload_params,
                 "fsdp_cpu_ram_efficient_loading": self.fsdp_cpu_ram_efficient_loading,
+            }
+        if self.use_deepspeed:
+            cfg["deepspeed_config"] = {
+                "zero_stage": self.deepspeed_zero_stage or 2, "zero3_init_flag": self.deepspeed_zero3_init,
+                "offload_param_device": self.deepspeed_offload_param_device or "none",
+                "offload_optimizer_device": self.deepspeed_offload_optimizer_device or "none",
             }
         return cfg
 
@@ -151,6 +161,8 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         deepspeed_zero_stage=env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", ""),
         deepspeed_zero3_init=flag("ACCELERATE_DEEPSPEED_ZERO3_INIT"),
         deepspeed_zero3_save_16bit_model=flag("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"),
+        deepspeed_offload_param_device=env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", ""),
+        deepspeed_offload_optimizer_device=env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", ""),
         gradient_accumulation_steps=env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", ""),
         # huggingface_hub's rule, not accelerate's: 1/ON/YES/TRUE are offline, anything else online, never an error.
         hub_offline=env.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"),

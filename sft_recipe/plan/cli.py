@@ -7,7 +7,9 @@ import json
 import sys
 
 from sft_recipe.errors import ConfigError
+from sft_recipe.plan.components import LOSS_IMPLS
 from sft_recipe.plan.gpu import (
+    DEFAULT_ALLOCATOR_FLOOR_GIB,
     DEFAULT_ALLOCATOR_RESERVE,
     DEFAULT_CUDA_CONTEXT_GIB,
     DEFAULT_HOST_RUNTIME_GIB,
@@ -46,6 +48,7 @@ def build_cli() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--cuda_context_gib", type=float, default=DEFAULT_CUDA_CONTEXT_GIB)
     p.add_argument("--allocator_reserve", type=float, default=DEFAULT_ALLOCATOR_RESERVE)
+    p.add_argument("--allocator_floor_gib", type=float, default=DEFAULT_ALLOCATOR_FLOOR_GIB)
     p.add_argument("--host_runtime_gib", type=float, default=DEFAULT_HOST_RUNTIME_GIB)
     p.add_argument("--load_path", default="recipe", choices=LOAD_PATHS,
                    help="where a quantized base loads: 'recipe' (the CPU under FSDP, then FSDP moves it unit by unit) "
@@ -53,6 +56,12 @@ def build_cli() -> argparse.ArgumentParser:
     p.add_argument("--quantize_threads_per_rank", type=int, default=DEFAULT_QUANTIZE_THREADS_PER_RANK,
                    help="CPU threads each rank quantizes with while loading (train.py gives each rank its share)")
     p.add_argument("--use_dora", action="store_true", help="plan DoRA instead of LoRA (adds a magnitude vector)")
+    p.add_argument("--loss_impl", default="trl-chunked", choices=list(LOSS_IMPLS),
+                   help="the loss as another stack computed it (train.py: trl-chunked); full-logits: a model's own "
+                        "fp32 loss, full-logits-kept: the same with the output held through backward (Answer.AI)")
+    p.add_argument("--adapter_dtype", default=None, choices=["float32", "bfloat16"],
+                   help="LoRA weights, gradients and Adam moments in this dtype (another stack's; default: as train.py "
+                        "keeps them: fp32, bf16 for QLoRA)")
     p.add_argument("--json", action="store_true", help="print MemoryPlan.to_dict() as JSON")
     rent = p.add_argument_group("renting questions (each answer: its plan and the command that launches it)")
     rent.add_argument("--fewest_gpus", action="store_true",
@@ -81,9 +90,11 @@ def renting(ours: argparse.Namespace, train_argv: list[str]) -> int:
     if ours.num_processes:
         config = {**config, "num_processes": ours.num_processes}
     run = run_from_flags(train_argv, ours.config_file, ours.device, config, cuda_context_gib=ours.cuda_context_gib,
-                         allocator_reserve=ours.allocator_reserve, host_runtime_gib=ours.host_runtime_gib,
+                         allocator_reserve=ours.allocator_reserve, allocator_floor_gib=ours.allocator_floor_gib,
+                         host_runtime_gib=ours.host_runtime_gib,
                          dora=ours.use_dora, load_path=ours.load_path,
-                         quantize_threads_per_rank=ours.quantize_threads_per_rank)
+                         quantize_threads_per_rank=ours.quantize_threads_per_rank, loss_impl=ours.loss_impl,
+                         adapter_dtype=ours.adapter_dtype)
     if ours.fewest_gpus:
         question = "fewest_gpus"
         answers = fewest_gpus(run, ours.gpu_memory_gib, tuple(e for e in ours.engines.split(",") if e),
@@ -124,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         model_args, data_args, _, training_args = parse_train_flags(train_argv, ours.device)
         plan = plan_memory(model_args, data_args, training_args, config, ours.num_processes,
                            ours.gpu_memory_gib, ours.device, cuda_context_gib=ours.cuda_context_gib,
-                           allocator_reserve=ours.allocator_reserve, host_runtime_gib=ours.host_runtime_gib,
+                           allocator_reserve=ours.allocator_reserve, allocator_floor_gib=ours.allocator_floor_gib,
+                           host_runtime_gib=ours.host_runtime_gib,
                            dora=ours.use_dora, load_path=ours.load_path,
-                           quantize_threads_per_rank=ours.quantize_threads_per_rank)
+                           quantize_threads_per_rank=ours.quantize_threads_per_rank, loss_impl=ours.loss_impl,
+                           adapter_dtype=ours.adapter_dtype)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -59,10 +59,13 @@ def base_weight_bytes(shape: ModelShape, w: Workload) -> tuple[float, float, str
 
 def count_trainable(shape: ModelShape, w: Workload) -> tuple[int, int]:
     """(trainable parameters, bytes each). LoRA: fp32 (PEFT upcasts adapters), except QLoRA where TRL casts A/B to
-    bf16 (DoRA magnitudes stay fp32). Full fine-tuning: every base parameter, in the load dtype."""
+    bf16 (DoRA magnitudes stay fp32); `w.adapter_bytes` where another stack kept them otherwise (Answer.AI's pure
+    bf16). Full fine-tuning: every base parameter, in the load dtype."""
     if not w.lora:
         return shape.total_params, w.load_bytes
     count = shape.lora_params(w.lora_r, _targets(w), w.dora)
+    if w.adapter_bytes:
+        return count, w.adapter_bytes
     return count, (2 if w.quant and not w.dora else 4)
 
 
@@ -119,20 +122,47 @@ def activation_bytes_per_token_per_layer(shape: ModelShape, w: Workload, device:
     return c
 
 
+# How the loss is computed, and what it holds on the GPU (bytes; T tokens, V vocabulary, h hidden, a activation bytes).
+LOSS_IMPLS = {
+    # TRL 1.16's fused head (trl/kernels/chunked_logprob.py, the Triton branch every CUDA run takes; Liger's kernels
+    # leave it in place: TRL turns Liger's own fused linear cross-entropy off): tiles of 4096 tokens x 32768 vocabulary
+    # entries, never the T x V logits.
+    "trl-chunked": "T*h*(4+2a) + 2*min(T,4096)*min(V,32768)*a",
+    # The full fp32 logits of a model's own loss (transformers' ForCausalLMLoss upcasts them; transformers <= 4.44 did
+    # it in the model's forward): fp32 logits and log-softmax, then their gradients: 12 x T*V, measured with
+    # sft_recipe.measure.PeakLiveBytes (tests/unit/test_plan_loss.py).
+    "full-logits": "12*T*V",
+    # The same, with the caller holding the model's output (its fp32 logits) until backward ends, as Answer.AI's
+    # fsdp_qlora train.py does (`output = model(...)`, then `loss.backward()`): 16 x T*V at the loss, and 4 x T*V
+    # through every layer's backward.
+    "full-logits-kept": "16*T*V, and 4*T*V kept through the layers' backward",
+}
+
+
+def loss_phase_bytes(shape: ModelShape, w: Workload) -> float:
+    """What the loss holds at its peak, at the end of the forward (LOSS_IMPLS)."""
+    a, T, h, V = w.compute_bytes, w.tokens, shape.hidden_size, shape.vocab_size
+    if w.loss_impl == "trl-chunked":
+        return T * h * (4 + 2 * a) + 2 * min(T, 4096) * min(V, 32768) * a
+    return (16 if w.loss_impl == "full-logits-kept" else 12) * T * V
+
+
 def activation_rows(shape: ModelShape, w: Workload, device: str) -> list[Row]:
     """Activations of one micro-batch (T = B*S tokens).
 
-    - saved for backward: without checkpointing L*T*c; with it only each layer's input, L*T*h*a.
+    - saved for backward: without checkpointing L*T*c; with it only each layer's input, L*T*h*a. Both are held
+      through the whole backward.
     - recomputed layer (checkpointing only): T*c, one layer's activations rebuilt during its backward.
     - backward working set: 2*T*(h + i)*a, gradients flowing through the widest block.
-    - output head (TRL's fused, chunked log-prob head): T*h*(4 + 2a) (fp32 gradient accumulator, saved input, cast
-      back) + 2*min(T, 4096)*min(V, 32768)*a (logit tiles, forward and backward); the full T x V logits are never
-      materialized.
+    - the loss (loss_phase_bytes, LOSS_IMPLS: TRL's chunked head by default). On CUDA the loss runs before any
+      layer's backward and is freed before the first recompute: peak = saved + max(loss, layer phase), the layer
+      phase being recomputed layer + working set (+ logits a caller keeps). The loss row counts what it adds beyond
+      the layer phase. On CPU the sum: glibc keeps the freed pages of one phase in RSS for the next (measured).
     - with --activation_offloading (CUDA only; see offloaded_activation_bytes): what autograd saves goes to host RAM,
       and the GPU keeps only the tensors in flight: with checkpointing 2*T*h*a (the layer input brought back for its
       recompute, and the previous one until its copy event), without it T*c (at most one layer's saved tensors:
       TRL's forward stash of 5 tensors, the current and previous backward node). The recomputed layer, the working
-      set and the output head stay on the GPU (with --use_reentrant the recomputed layer passes through TRL's hook
+      set and the loss stay on the GPU (with --use_reentrant the recomputed layer passes through TRL's hook
       too, copied out and back within its own backward: counted whole here, an upper bound).
     """
     a, T, L, h, i = w.compute_bytes, w.tokens, shape.num_layers, shape.hidden_size, shape.intermediate_size
@@ -152,8 +182,19 @@ def activation_rows(shape: ModelShape, w: Workload, device: str) -> list[Row]:
     else:
         rows.append(Row("activations: saved", L * T * c, f"L*T*c, T={T}, c={c:,.0f} B/token/layer"))
     rows.append(Row("activations: backward working set", 2 * T * (h + i) * a, "2*T*(h+i)*a"))
-    head = T * h * (4 + 2 * a) + 2 * min(T, 4096) * min(shape.vocab_size, 32768) * a
-    rows.append(Row("activations: output head", head, "T*h*(4+2a) + 2*min(T,4096)*min(V,32768)*a (chunked)"))
+    if w.loss_impl == "full-logits-kept":
+        rows.append(Row("activations: logits kept through backward", 4 * T * shape.vocab_size,
+                        "4*T*V (the caller holds the fp32 logits)"))
+    loss = loss_phase_bytes(shape, w)
+    formula = LOSS_IMPLS[w.loss_impl]
+    if device != "cuda":
+        rows.append(Row("activations: loss", loss, f"{formula} ({w.loss_impl})"))
+        return rows
+    layer_phase = sum(r.bytes for r in rows[1:])  # rows[0] (checkpoints or saved) is held through both phases
+    beyond = max(0.0, loss - layer_phase)
+    rows.append(Row("activations: loss, beyond the layer phase", beyond,
+                    f"{w.loss_impl}: {formula} = {loss / 2**30:.2f} GiB at the end of the forward, freed before the "
+                    f"layers' backward ({layer_phase / 2**30:.2f} GiB): only the excess counts"))
     return rows
 
 

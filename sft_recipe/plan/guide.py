@@ -9,8 +9,7 @@ from typing import Any
 from sft_recipe.plan.gpu import UPSTREAM_SAVE_ROW
 from sft_recipe.plan.inputs import parse_train_flags, read_accelerate_config
 from sft_recipe.plan.planner import plan_memory
-from sft_recipe.plan.result import GIB, MemoryPlan
-from sft_recipe.plan.shape import config_vocab_size
+from sft_recipe.plan.result import GIB, GPU_PLAN_ERROR_BELOW, MemoryPlan
 
 # The guide's published per-GPU figures (GiB as nvidia-smi shows them) for its two runs.
 PUBLISHED = {
@@ -96,13 +95,18 @@ def recipe_flags(recipe: dict[str, Any]) -> list[str]:
 
 
 UPSTREAM_LORA_DTYPE = "float32"  # upstream's train.py loads a LoRA base in fp32 (and the guide's figures are of it)
+# The guide's stack (transformers 4.4x) upcast the full logits to fp32 in the model's forward for the loss
+# (components.LOSS_IMPLS); its trainer dropped the output before backward, so they were not kept.
+GUIDE_LOSS_IMPL = "full-logits"
 
 
-def guide_plans(load_path: str = "recipe", lora_dtype: str | None = None) -> dict[str, MemoryPlan]:
+def guide_plans(load_path: str = "recipe", lora_dtype: str | None = None,
+                loss_impl: str = "trl-chunked") -> dict[str, MemoryPlan]:
     """The guide's two runs (QLoRA with and without offload) planned offline from GUIDE_RUNS (the recipes name
     meta-llama/Llama-2-70b-hf, whose architecture ships in sft_recipe/plan/models/llama-2-70b). `load_path`
     "upstream": the quantized base loaded where transformers 5.x puts it without the recipe's placement;
-    `lora_dtype`: the LoRA base's dtype instead of the recipe's default (UPSTREAM_LORA_DTYPE: as upstream loads it)."""
+    `lora_dtype`: the LoRA base's dtype instead of the recipe's default (UPSTREAM_LORA_DTYPE: as upstream loads it);
+    `loss_impl`: the loss as the guide's stack computed it (GUIDE_LOSS_IMPL) instead of TRL 1.16's chunked head."""
     plans = {}
     for key, run in GUIDE_RUNS.items():
         recipe = dict(run.recipe)
@@ -111,7 +115,7 @@ def guide_plans(load_path: str = "recipe", lora_dtype: str | None = None) -> dic
         model_args, data_args, _, training_args = parse_train_flags(recipe_flags(recipe), "cuda")
         cfg = read_accelerate_config(run.accelerate_config)
         plans[key] = plan_memory(model_args, data_args, training_args, cfg, None, run.gpu_memory_gib, "cuda",
-                                 ladder=False, load_path=load_path)
+                                 ladder=False, load_path=load_path, loss_impl=loss_impl)
     return plans
 
 
@@ -122,7 +126,8 @@ def render_load_comparison(plans: dict[str, MemoryPlan], upstream: dict[str, Mem
              "the verdict names the first phase that does not fit):"]
     for key in (k for k in plans if GUIDE_RUNS[k].recipe.get("use_4bit_quantization")):
         for path, plan in (("recipe", plans[key]), ("upstream", upstream[key])):
-            verdict = "fits" if plan.fits else f"does not fit at {plan.fails_at or plan.largest_phase}"
+            verdict = plan.verdict if plan.verdict != "does not fit" else \
+                f"does not fit at {plan.fails_at or plan.largest_phase}"
             lines.append(f"    {key:<20}{path:<10}{plan.phases['load'] / GIB:>6.1f} / {plan.phases['wrap'] / GIB:<6.1f}"
                          f"  largest: {plan.largest_phase} {plan.peak_gib:.1f}  -> {verdict} in "
                          f"{plan.budget_gib:g} GiB")
@@ -134,15 +139,6 @@ def render_load_comparison(plans: dict[str, MemoryPlan], upstream: dict[str, Mem
     return lines
 
 
-def legacy_logits_bytes(run: GuideRun) -> float:
-    """What the guide's older stack spent on the loss that today's chunked head does not, at its peak: full logits in
-    bf16 (T*V*2), their fp32 copy (T*V*4) and the saved log-softmax (T*V*4). An upper bound: that peak comes before
-    the recomputed layer's, which the prediction already counts. V is the vocabulary the model's config declares."""
-    tokens = int(run.recipe["per_device_train_batch_size"]) * int(run.recipe["max_seq_len"])
-    vocab = config_vocab_size(run.recipe["model_name_or_path"])
-    return tokens * vocab * (2 + 4 + 4)
-
-
 def render_guide_comparison(plans: dict[str, MemoryPlan] | None = None,
                             upstream: dict[str, MemoryPlan] | None = None,
                             as_published: dict[str, MemoryPlan] | None = None) -> str:
@@ -151,18 +147,21 @@ def render_guide_comparison(plans: dict[str, MemoryPlan] | None = None,
     transformers 4.4x did, which the recipe's placement reproduces), set beside the published figures."""
     plans = plans or guide_plans()
     upstream = upstream or guide_plans("upstream", UPSTREAM_LORA_DTYPE)
-    as_published = as_published or guide_plans(lora_dtype=UPSTREAM_LORA_DTYPE)
-    lines = ["The guide's runs (Llama-2-70B), predicted vs published (GiB per GPU):",
-             f"  {'run':<22}{'predicted':>10}{'published':>12}{'+ full logits (old stack)':>27}{'this recipe':>13}"
+    as_published = as_published or guide_plans(lora_dtype=UPSTREAM_LORA_DTYPE, loss_impl=GUIDE_LOSS_IMPL)
+    lines = ["The guide's runs (Llama-2-70B), predicted vs published (GiB per GPU, nvidia-smi):",
+             f"  {'run':<22}{'predicted':>10}{'published':>12}{'ratio':>8}{'verdict':>14}{'this recipe':>13}"
              "   setup (this recipe)"]
     for key, plan in as_published.items():
         lo, hi = PUBLISHED[key]["gpu_gib"]
         pub = f"{lo:g}" if lo == hi else f"{lo:g}-{hi:g}"
-        legacy = plan.peak_gib + legacy_logits_bytes(GUIDE_RUNS[key]) / GIB
-        lines.append(f"  {key:<22}{plan.peak_gib:>10.1f}{pub:>12}{legacy:>27.1f}{plans[key].peak_gib:>13.1f}   "
-                     f"{plans[key].setup}")
-    lines.append(f"  (predicted: the guide's setup, a LoRA base in {UPSTREAM_LORA_DTYPE} as upstream loads it; this "
-                 "recipe: its defaults, a bf16 base for LoRA under bf16 mixed precision)")
+        lines.append(f"  {key:<22}{plan.peak_gib:>10.1f}{pub:>12}{plan.peak_gib / ((lo + hi) / 2):>7.2f}x"
+                     f"{plan.verdict:>14}{plans[key].peak_gib:>13.1f}   {plans[key].setup}")
+    lines.append(f"  (predicted: the guide's setup, a LoRA base in {UPSTREAM_LORA_DTYPE} as upstream loads it and the "
+                 f"loss its stack computed ({GUIDE_LOSS_IMPL}); ratio: predicted / published (the middle of a range); "
+                 "this recipe: its defaults, a bf16 base for LoRA under bf16 mixed precision, TRL's chunked loss)")
+    lines.append(f"  the plan's error on GPUs: published figures came to at most {GPU_PLAN_ERROR_BELOW:.0%} above "
+                 "their plans (tests/published_gpu_memory.csv, 22 figures: bench/plan_vs_published.py); 'fits' keeps "
+                 "that much headroom, 'tight' is a peak inside it")
     lines += render_load_comparison(plans, upstream)
     host = plans["qlora-2x24-offload"].host_peak_bytes / GIB
     row = {r.name: r.bytes for r in upstream["qlora-2x24-offload"].host_rows}
@@ -179,9 +178,7 @@ def render_guide_comparison(plans: dict[str, MemoryPlan] | None = None,
             lines.append(f"  final save, {key}: {row['final save (rank 0)'] / GIB:.2f} GiB of host RAM on rank 0 (the "
                          f"adapter, gathered then written) vs {theirs[UPSTREAM_SAVE_ROW] / GIB:.0f} GiB for upstream's "
                          "FULL_STATE_DICT gather of every weight")
-    lines.append("  Gaps: the guide's stack materialized the full logits in fp32 for the loss (T x V x 10 bytes; the "
-                 "'+ full logits' column adds them, an upper bound); nvidia-smi shows reserved memory, above what "
-                 "the allocator hands out; host RAM figures also depend on the page cache the checkpoint reads fill "
-                 "(not counted in the peak).")
+    lines.append("  Gaps: host RAM figures also depend on the page cache the checkpoint reads fill (not counted in "
+                 "the peak).")
     return "\n".join(lines)
 

@@ -16,7 +16,7 @@ SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
 class Distribution:
     """How the run is spread, from the accelerate YAML (or the launcher's environment) and --num_processes."""
 
-    kind: str  # "single", "ddp" or "fsdp"
+    kind: str  # "single", "ddp", "fsdp" or "deepspeed"
     num_processes: int
     num_machines: int = 1
     fsdp_version: int = 1
@@ -24,6 +24,9 @@ class Distribution:
     offload: bool = False
     cpu_ram_efficient_loading: bool = False
     mixed_precision: str = "no"  # accelerate's mixed_precision: no|bf16|fp16
+    zero_stage: int = 0  # DeepSpeed: 2 or 3 (offload = offload_param_device cpu)
+    offload_optimizer: bool = False  # DeepSpeed offload_optimizer_device: cpu
+    zero3_init: bool = False  # DeepSpeed zero3_init_flag
 
     @property
     def per_machine(self) -> int:
@@ -32,6 +35,8 @@ class Distribution:
     @property
     def shard_group(self) -> int:
         """G: ranks each parameter is split over."""
+        if self.kind == "deepspeed":
+            return self.num_processes if self.zero_stage == 3 else 1
         if self.kind != "fsdp" or self.sharding == "NO_SHARD":
             return 1
         if self.sharding.startswith("HYBRID"):
@@ -48,6 +53,11 @@ class Distribution:
         if self.kind == "ddp":
             return f"DDP, {self.num_processes} processes"
         off = ", CPU offload" if self.offload else ""
+        if self.kind == "deepspeed":
+            off = ", ".join(x for x in ("parameters" if self.offload else "",
+                                        "optimizer" if self.offload_optimizer else "") if x)
+            return (f"DeepSpeed ZeRO-{self.zero_stage}, {self.num_processes} processes"
+                    + (f", CPU offload of {off}" if off else ""))
         return f"FSDP{self.fsdp_version} {self.sharding}, {self.num_processes} processes{off}"
 
 
@@ -74,6 +84,9 @@ class Workload:
     extra_vocab: int
     activation_offloading: bool = False  # TRL's SFTConfig option: saved activations go to pinned host RAM
     reentrant_checkpointing: bool = False  # --use_reentrant: the recomputation runs under the offloading hooks too
+    # How another stack ran what train.py runs, for a like-for-like comparison (bench/plan_vs_published.py):
+    loss_impl: str = "trl-chunked"  # components.LOSS_IMPLS; train.py always computes TRL's chunked loss
+    adapter_bytes: int = 0  # bytes per LoRA weight (and its gradient and Adam moments); 0: as this recipe keeps them
 
     @property
     def tokens(self) -> int:
@@ -105,20 +118,22 @@ def read_accelerate_config(accelerate_config: dict | str | os.PathLike | None) -
 
 def distribution(cfg: dict, num_processes: int | None = None, training_args=None) -> Distribution:
     kind_raw = str(cfg.get("distributed_type", "NO")).upper()
-    kinds = {"NO": "single", "MULTI_GPU": "ddp", "MULTI_CPU": "ddp", "FSDP": "fsdp"}
+    kinds = {"NO": "single", "MULTI_GPU": "ddp", "MULTI_CPU": "ddp", "FSDP": "fsdp", "DEEPSPEED": "deepspeed"}
     if kind_raw not in kinds:
         raise ConfigError([f"accelerate config: distributed_type {kind_raw} is not planned here (NO, MULTI_GPU, "
-                           "MULTI_CPU, FSDP are). Fix: use one of configs/*.yaml."])
+                           "MULTI_CPU, FSDP, DEEPSPEED are). Fix: use one of configs/*.yaml."])
     n = int(num_processes or cfg.get("num_processes") or 1)
     if n < 1:
         raise ConfigError([f"--num_processes {n}: must be at least 1."])
     machines = int(cfg.get("num_machines") or 1)
-    kind = kinds[kind_raw] if n > 1 or kind_raw == "FSDP" else "single"
+    kind = kinds[kind_raw] if n > 1 or kind_raw in ("FSDP", "DEEPSPEED") else "single"
     mp = str(cfg.get("mixed_precision", "no")).lower()
     if training_args is not None and getattr(training_args, "bf16", False):
         mp = "bf16"
     elif training_args is not None and getattr(training_args, "fp16", False):
         mp = "fp16"
+    if kind == "deepspeed":
+        return deepspeed_distribution(cfg, n, machines, mp)
     fc = cfg.get("fsdp_config") or {}
     version = int(fc.get("fsdp_version", 1))
     sharding = "FULL_SHARD"
@@ -142,6 +157,35 @@ def distribution(cfg: dict, num_processes: int | None = None, training_args=None
         cpu_ram_efficient_loading=kind == "fsdp" and bool(fc.get("fsdp_cpu_ram_efficient_loading", False)),
         mixed_precision=mp,
     )
+
+
+def deepspeed_distribution(cfg: dict, n: int, machines: int, mixed_precision: str) -> Distribution:
+    """The accelerate YAML's deepspeed_config keys (accelerate builds DeepSpeed's config from them); a
+    deepspeed_config_file is read for the same keys under zero_optimization."""
+    dc = cfg.get("deepspeed_config") or {}
+    stage, off_param, off_opt, init = (dc.get("zero_stage"), dc.get("offload_param_device"),
+                                       dc.get("offload_optimizer_device"), dc.get("zero3_init_flag"))
+    if dc.get("deepspeed_config_file"):
+        import json
+
+        try:
+            zo = json.loads(Path(dc["deepspeed_config_file"]).read_text()).get("zero_optimization") or {}
+        except (OSError, ValueError) as e:
+            raise ConfigError([f"deepspeed_config_file {dc['deepspeed_config_file']}: cannot be read ({e})."]) from None
+        stage = zo.get("stage", stage)
+        off_param = (zo.get("offload_param") or {}).get("device", off_param)
+        off_opt = (zo.get("offload_optimizer") or {}).get("device", off_opt)
+    try:
+        stage = int(stage if stage is not None else 2)
+    except (TypeError, ValueError):
+        stage = -1
+    if stage not in (2, 3):
+        raise ConfigError([f"deepspeed_config: zero_stage {dc.get('zero_stage')!r} is not planned here (2 and 3 are; "
+                           "the recipe ships ZeRO-3: configs/deepspeed_config.yaml)."])
+    return Distribution(kind="deepspeed", num_processes=n, num_machines=machines, zero_stage=stage,
+                        offload=str(off_param).lower() == "cpu" and stage == 3,
+                        offload_optimizer=str(off_opt).lower() == "cpu",
+                        zero3_init=stage == 3 and str(init).lower() in ("true", "1"), mixed_precision=mixed_precision)
 
 
 def workload(model_args, data_args, training_args, device: str, dora: bool = False) -> Workload:
@@ -209,6 +253,13 @@ def check_inputs(gpu_memory_gib, device: str, d: Distribution, w: Workload) -> N
     if device == "cpu" and w.activation_offloading:
         problems.append("--activation_offloading True on a CPU run: TRL 1.16 offloads activations from an accelerator "
                         "to host RAM and fails without one. Fix: plan it with --device cuda, or drop the flag.")
+    if device == "cpu" and d.kind == "deepspeed":
+        problems.append("DeepSpeed on a CPU run: the CPU plan is measured for one process, DDP and FSDP. Fix: plan "
+                        "the GPU run with --device cuda.")
+    if w.activation_offloading and d.kind == "deepspeed":
+        problems.append("--activation_offloading True under DeepSpeed: train.py refuses it (TRL 1.16 would offload "
+                        "the gathered ZeRO-3 weights as activations). Fix: FSDP2 (configs/fsdp2_config.yaml), or "
+                        "--activation_offloading False.")
     elif w.activation_offloading and d.kind == "fsdp" and d.fsdp_version == 1:
         problems.append("--activation_offloading True under FSDP1: train.py refuses it (TRL 1.16 would offload every "
                         "gathered layer's weights as activations). Fix: FSDP2 (configs/fsdp2_config.yaml) or one "

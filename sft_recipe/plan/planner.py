@@ -5,8 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from sft_recipe.errors import ConfigError
+from sft_recipe.plan.components import LOSS_IMPLS
 from sft_recipe.plan.cpu import estimate_cpu
+from sft_recipe.plan.deepspeed import estimate_deepspeed
 from sft_recipe.plan.gpu import (
+    DEFAULT_ALLOCATOR_FLOOR_GIB,
     DEFAULT_ALLOCATOR_RESERVE,
     DEFAULT_CUDA_CONTEXT_GIB,
     DEFAULT_HOST_RUNTIME_GIB,
@@ -17,31 +21,43 @@ from sft_recipe.plan.gpu import (
     quantization_seconds,
 )
 from sft_recipe.plan.inputs import Distribution, Workload, check_inputs, distribution, read_accelerate_config, workload
-from sft_recipe.plan.result import LadderStep, MemoryPlan
+from sft_recipe.plan.result import GPU_PLAN_ERROR_BELOW, LadderStep, MemoryPlan
 from sft_recipe.plan.shape import ModelShape, model_shape
+
+ADAPTER_DTYPE_BYTES = {None: 0, "float32": 4, "bfloat16": 2}
 
 
 def plan_memory(model_args, data_args, training_args, accelerate_config: dict | str | None = None,
                 num_processes: int | None = None, gpu_memory_gib: float = 80.0, device: str = "cuda", *,
                 cuda_context_gib: float = DEFAULT_CUDA_CONTEXT_GIB,
                 allocator_reserve: float = DEFAULT_ALLOCATOR_RESERVE,
+                allocator_floor_gib: float = DEFAULT_ALLOCATOR_FLOOR_GIB,
                 host_runtime_gib: float = DEFAULT_HOST_RUNTIME_GIB, dora: bool = False, ladder: bool = True,
                 shape: ModelShape | None = None, load_path: str = "recipe",
-                quantize_threads_per_rank: int = DEFAULT_QUANTIZE_THREADS_PER_RANK) -> MemoryPlan:
+                quantize_threads_per_rank: int = DEFAULT_QUANTIZE_THREADS_PER_RANK,
+                loss_impl: str = "trl-chunked", adapter_dtype: str | None = None) -> MemoryPlan:
     """Plan one run's memory. `accelerate_config`: YAML path, dict (inside `accelerate launch`:
     LaunchEnv.accelerate_config()) or None (one process). `device`: "cuda" predicts GPU memory per rank; "cpu"
     predicts peak RSS per rank of a CPU run. `load_path`: "recipe" (a quantized base loads on the CPU under FSDP)
-    or "upstream" (transformers 5.x's default: on each rank's GPU, as upstream's train.py loads it)."""
+    or "upstream" (transformers 5.x's default: on each rank's GPU, as upstream's train.py loads it).
+    `loss_impl` (components.LOSS_IMPLS) and `adapter_dtype` ("float32", "bfloat16"; None: as this recipe keeps LoRA
+    weights) plan what another stack computed, to set the plan beside figures measured on it."""
     if load_path not in LOAD_PATHS:
         raise ValueError(f"load_path {load_path!r}: one of {LOAD_PATHS}")
+    if loss_impl not in LOSS_IMPLS:
+        raise ConfigError([f"--loss_impl {loss_impl}: one of {', '.join(LOSS_IMPLS)}."])
+    if adapter_dtype not in ADAPTER_DTYPE_BYTES:
+        raise ConfigError([f"--adapter_dtype {adapter_dtype}: one of float32, bfloat16 (or leave it out)."])
     cfg = read_accelerate_config(accelerate_config)
     d = distribution(cfg, num_processes, training_args)
-    w = workload(model_args, data_args, training_args, device, dora)
+    w = replace(workload(model_args, data_args, training_args, device, dora), loss_impl=loss_impl,
+                adapter_bytes=ADAPTER_DTYPE_BYTES[adapter_dtype])
     check_inputs(gpu_memory_gib, device, d, w)
     if shape is None:
         shape = model_shape(model_args.model_name_or_path, bool(getattr(training_args, "trust_remote_code", False)),
                             w.extra_vocab)
     knobs = {"cuda_context_gib": cuda_context_gib, "allocator_reserve": allocator_reserve,
+             "allocator_floor_gib": allocator_floor_gib,
              "host_runtime_gib": host_runtime_gib, "load_path": load_path,
              "quantize_threads_per_rank": quantize_threads_per_rank}
     plan = _plan(shape, w, d, float(gpu_memory_gib), device, knobs)
@@ -61,7 +77,8 @@ def _plan(shape: ModelShape, w: Workload, d: Distribution, budget: float, device
              f"weights {w.load_bytes} B", f"activations {w.compute_bytes} B", w.optimizer]
     setup = f"{d.describe()}; " + ", ".join(f for f in flags if f)
     if device == "cuda":
-        rows, phases, host_rows, host_peak = estimate_gpu(shape, w, d, knobs)
+        estimate = estimate_deepspeed if d.kind == "deepspeed" else estimate_gpu
+        rows, phases, host_rows, host_peak = estimate(shape, w, d, knobs)
         per_rank = [max(phases.values())] * d.num_processes
         if not w.flash_attention and w.packing:
             notes.append("SDPA with packed rows builds a T x T block mask; --use_flash_attn True avoids it.")
@@ -90,6 +107,11 @@ def _peak(shape, w, d, budget, device, knobs) -> float:
     return _plan(shape, w, d, budget, device, knobs).peak_gib
 
 
+def _fits(peak_gib: float, budget: float, device: str) -> bool:
+    """What MemoryPlan.verdict calls "fits": on GPUs, with the plan's measured error as headroom."""
+    return peak_gib * (1 + GPU_PLAN_ERROR_BELOW if device == "cuda" else 1) <= budget
+
+
 def fit_ladder(shape: ModelShape, w: Workload, d: Distribution, budget: float, device: str,
                knobs: dict) -> list[LadderStep]:
     """The cheapest changes, applied one after the other, until the run fits:
@@ -105,13 +127,17 @@ def fit_ladder(shape: ModelShape, w: Workload, d: Distribution, budget: float, d
         if peak >= current - 1e-9:
             return False
         w, d, current = w2, d2, peak
-        steps.append(LadderStep(change, how, round(peak, 3), peak <= budget))
-        return peak <= budget
+        steps.append(LadderStep(change, how, round(peak, 3), _fits(peak, budget, device)))
+        return _fits(peak, budget, device)
 
     if not w.gradient_checkpointing and consider(
             "gradient checkpointing", "--gradient_checkpointing True", replace(w, gradient_checkpointing=True), d):
         return steps
-    if d.num_processes > 1 and not (d.kind == "fsdp" and d.sharding == "FULL_SHARD"):
+    if d.kind == "deepspeed" and d.zero_stage == 2 and d.num_processes > 1:
+        if consider("ZeRO-3", "--zero_stage 3 (as configs/deepspeed_config.yaml)", w,
+                    replace(d, zero_stage=3, zero3_init=True)):
+            return steps
+    elif d.num_processes > 1 and not (d.kind == "fsdp" and d.sharding == "FULL_SHARD"):
         d2 = replace(d, kind="fsdp", sharding="FULL_SHARD")
         if consider("FULL_SHARD", "--config_file configs/fsdp_config.yaml (fsdp_sharding_strategy: FULL_SHARD)",
                     w, d2):
@@ -120,14 +146,15 @@ def fit_ladder(shape: ModelShape, w: Workload, d: Distribution, budget: float, d
         global_batch = w.micro_batch * w.grad_accum
         for b in [x for x in range(w.micro_batch - 1, 0, -1) if w.micro_batch % x == 0]:
             w2 = replace(w, micro_batch=b, grad_accum=global_batch // b)
-            if _peak(shape, w2, d, budget, device, knobs) <= budget or b == 1:
+            if _fits(_peak(shape, w2, d, budget, device, knobs), budget, device) or b == 1:
                 if consider(f"micro-batch {b}, accumulation {global_batch // b} (same global batch)",
                             f"--per_device_train_batch_size {b} --gradient_accumulation_steps {global_batch // b}",
                             w2, d):
                     return steps
                 break
     if w.lora and w.quant is None:
-        w2 = replace(w, quant="4bit", double_quant=True, load_bytes=2 if d.kind == "fsdp" else w.load_bytes,
+        w2 = replace(w, quant="4bit", double_quant=True,
+                     load_bytes=2 if d.kind in ("fsdp", "deepspeed") else w.load_bytes,
                      compute_bytes=2 if device == "cuda" else w.compute_bytes)
         how = ("--use_4bit_quantization True --use_nested_quant True --bnb_4bit_quant_type nf4 "
                "--bnb_4bit_compute_dtype bfloat16 --bnb_4bit_quant_storage_dtype bfloat16 --bf16 True")
@@ -137,13 +164,19 @@ def fit_ladder(shape: ModelShape, w: Workload, d: Distribution, budget: float, d
         if consider("CPU offload", "fsdp_offload_params: true (as configs/fsdp_config_qlora.yaml)", w,
                     replace(d, offload=True)):
             return steps
+    if device == "cuda" and d.kind == "deepspeed" and not (d.offload and d.offload_optimizer):
+        if consider("CPU offload", "--offload_optimizer_device cpu" + (" --offload_param_device cpu"
+                                                                       if d.zero_stage == 3 else ""), w,
+                    replace(d, offload=d.zero_stage == 3, offload_optimizer=True)):
+            return steps
     per_machine = 8 if device == "cuda" else d.per_machine
     n = d.num_processes
     for _ in range(12):
         n = n * 2 if n < per_machine else (n // per_machine + 1) * per_machine
-        d2 = replace(d, kind="fsdp", num_processes=n, num_machines=max(1, math.ceil(n / per_machine)),
+        d2 = replace(d, kind=d.kind if d.kind == "deepspeed" else "fsdp", num_processes=n,
+                     num_machines=max(1, math.ceil(n / per_machine)),
                      sharding=d.sharding if d.kind == "fsdp" else "FULL_SHARD")
-        if _peak(shape, w, d2, budget, device, knobs) <= budget:
+        if _fits(_peak(shape, w, d2, budget, device, knobs), budget, device):
             consider(f"{n} GPUs" if device == "cuda" else f"{n} processes",
                      f"--num_processes {n} (global batch grows {n / d.num_processes:g}x: lower "
                      "--gradient_accumulation_steps to keep it)", w, d2)

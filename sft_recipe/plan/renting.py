@@ -6,7 +6,7 @@
         --config recipes/llama2_70b_qlora.yaml
 
 Both search over plan_memory (nothing here sizes memory itself): fewest_gpus plans each engine (FSDP1 and FSDP2
-FULL_SHARD, with and without fsdp_offload_params; DDP, whose every GPU holds the whole model) at 1..8 GPUs, then
+FULL_SHARD, with and without fsdp_offload_params; DeepSpeed ZeRO-3, with and without CPU offload; DDP, whose every GPU holds the whole model) at 1..8 GPUs, then
 whole machines of 8, and keeps the first count whose every phase fits; longest_seq_len binary-searches --max_seq_len
 on the plan's peak (it grows with the sequence in every term), with gradient checkpointing on and off, and with TRL's
 --activation_offloading on and off where it applies (CUDA). Each answer carries its plan (the rows are the breakdown)
@@ -34,11 +34,12 @@ NO_ACT_OFFLOAD_FSDP1 = "train.py refuses --activation_offloading under FSDP1: se
 GPUS_PER_MACHINE = 8
 MAX_GPUS = 1024
 MAX_SEQ_LEN = 1 << 20
-ENGINES = ("fsdp1", "fsdp2", "ddp")
+ENGINES = ("fsdp1", "fsdp2", "zero3", "ddp")
 REPO = Path(__file__).resolve().parents[2]  # a checkout's root: configs/ lives there (not in an installed package)
 # engine -> (accelerate YAML for one machine, for several); the command names it and the plan reads it when present.
 ENGINE_YAMLS = {"fsdp1": ("configs/fsdp_config.yaml", "configs/multi_node/fsdp_config.yaml"),
                 "fsdp2": ("configs/fsdp2_config.yaml", "configs/multi_node/fsdp2_config.yaml"),
+                "zero3": ("configs/deepspeed_config.yaml", "configs/deepspeed_config.yaml"),  # multinode: standard
                 "ddp": ("configs/single.yaml", None)}
 _FSDP = {"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_cpu_ram_efficient_loading": True,
          "fsdp_offload_params": False}
@@ -47,6 +48,9 @@ FALLBACK_CONFIGS = {  # what configs/*.yaml say, for an installed package withou
               "fsdp_config": {**_FSDP, "fsdp_sharding_strategy": "FULL_SHARD"}},
     "fsdp2": {"distributed_type": "FSDP", "mixed_precision": "bf16",
               "fsdp_config": {**_FSDP, "fsdp_version": 2, "fsdp_reshard_after_forward": True}},
+    "zero3": {"distributed_type": "DEEPSPEED", "mixed_precision": "bf16",
+              "deepspeed_config": {"zero_stage": 3, "zero3_init_flag": True, "offload_optimizer_device": "none",
+                                   "offload_param_device": "none", "zero3_save_16bit_model": True}},
     "ddp": {"distributed_type": "NO", "mixed_precision": "bf16"},
 }
 FSDP2_TWINS = {"configs/fsdp_config.yaml": "configs/fsdp2_config.yaml",
@@ -118,6 +122,8 @@ def engine_of(cfg: dict) -> str | None:
     kind = str(cfg.get("distributed_type", "NO")).upper()
     if kind == "FSDP":
         return "fsdp2" if int((cfg.get("fsdp_config") or {}).get("fsdp_version", 1)) == 2 else "fsdp1"
+    if kind == "DEEPSPEED":
+        return "zero3" if str((cfg.get("deepspeed_config") or {}).get("zero_stage", 2)) == "3" else "zero2"
     return "ddp" if kind in ("NO", "MULTI_GPU") else None
 
 
@@ -180,14 +186,28 @@ def launch_command(config_file: str | None, num_processes: int, machines: int, o
         cmd += ["--num_machines", str(machines), "--machine_rank", f"<0..{machines - 1}>",
                 "--main_process_ip", "<host of machine 0>"]
     cmd += ["--num_processes", str(num_processes)]
-    if offload is not None and offload != bool((cfg.get("fsdp_config") or {}).get("fsdp_offload_params", False)):
+    if engine_of(cfg) in ("zero2", "zero3"):
+        if offload is not None and offload != (_ds_offloads(cfg)):
+            device = "cpu" if offload else "none"
+            cmd += ["--offload_optimizer_device", device] + (["--offload_param_device", device]
+                                                             if engine_of(cfg) == "zero3" else [])
+    elif offload is not None and offload != bool((cfg.get("fsdp_config") or {}).get("fsdp_offload_params", False)):
         cmd += ["--fsdp_offload_params", "true" if offload else "false"]
     return " ".join([*cmd, "train.py", *(shlex.quote(t) for t in train_argv)])
 
 
+def _ds_offloads(cfg: dict) -> bool:
+    dc = cfg.get("deepspeed_config") or {}
+    return str(dc.get("offload_optimizer_device", "none")).lower() == "cpu"
+
+
 def _plan(run: Run, cfg: dict, n: int, machines: int, offload: bool, budget: float, training_args=None):
     cfg = {**cfg, "num_processes": n, "num_machines": machines}
-    if engine_of(cfg) != "ddp":
+    if engine_of(cfg) in ("zero2", "zero3"):  # offload: the optimizer, and with ZeRO-3 the parameters
+        device = "cpu" if offload else "none"
+        cfg["deepspeed_config"] = {**(cfg.get("deepspeed_config") or {}), "offload_optimizer_device": device,
+                                   "offload_param_device": device}
+    elif engine_of(cfg) != "ddp":
         cfg["fsdp_config"] = {**(cfg.get("fsdp_config") or {}), "fsdp_offload_params": offload}
     elif n > 1:
         cfg["distributed_type"] = "MULTI_GPU"
@@ -218,7 +238,8 @@ def fewest_gpus(run: Run, gpu_memory_gib: float, engines: tuple[str, ...] = ENGI
                 max_gpus: int = MAX_GPUS, host_memory_gib: float | None = None) -> list[Answer]:
     """Per engine and offload setting, the fewest GPUs of `gpu_memory_gib` on which every phase of the run fits
     (and host RAM per machine, when `host_memory_gib` is given). DDP replicates the model: one GPU fits or none does
-    (more GPUs add speed, not memory); offload is FSDP's. The micro-batch and accumulation stay as given."""
+    (more GPUs add speed, not memory); offload is FSDP's (fsdp_offload_params) or DeepSpeed's (the optimizer, and
+    under ZeRO-3 the parameters). The micro-batch and accumulation stay as given."""
     if run.device != "cuda":
         raise ConfigError(["--fewest_gpus plans GPUs: use --device cuda (a CPU run's RAM per rank: --longest_seq_len "
                            "--device cpu)."])
@@ -231,9 +252,10 @@ def fewest_gpus(run: Run, gpu_memory_gib: float, engines: tuple[str, ...] = ENGI
     answers = []
     for engine in engines:
         for off in (o for o in offload if not (engine == "ddp" and o)):
-            if engine == "fsdp1" and run.workload.activation_offloading:
+            if engine in ("fsdp1", "zero3") and run.workload.activation_offloading:
                 answers.append(Answer("fewest_gpus", engine, off, run.workload.gradient_checkpointing, True, 0, 0,
-                                      run.workload.seq_len, False, None, "", 0, NO_ACT_OFFLOAD_FSDP1))
+                                      run.workload.seq_len, False, None, "", 0,
+                                      NO_ACT_OFFLOAD_FSDP1.replace("FSDP1", "FSDP1 or DeepSpeed")))
                 continue
             counts = [1] if engine == "ddp" else gpu_counts(gpus_per_machine, max_gpus)
             most = _at(run, engine, counts[-1], off, gpu_memory_gib, gpus_per_machine)[0]

@@ -41,8 +41,9 @@ def zero3_quantized_load_problems(m: ModelArguments, d: DataTrainingArguments, t
     """DeepSpeed ZeRO-3 with a bitsandbytes base, on GPUs: every GPU loads the whole quantized base before DeepSpeed
     partitions it (transformers 5.24: quantized models skip `zero.Init`, the quantizer maps them onto this rank's
     GPU, and `from_pretrained` refuses a user `device_map` under ZeRO-3, so the recipe cannot place it as it does
-    for FSDP: compat.quantized_base_device_map). Refused when that whole base and the CUDA context exceed the GPU;
-    said once otherwise. `gpu_bytes`: this rank's GPU memory (None: read it; no GPU: nothing to check)."""
+    for FSDP: compat.quantized_base_device_map). The memory plan's load phase of this launch
+    (sft_recipe/plan/deepspeed.py: the whole base + the framework overhead) is the number: refused when it exceeds
+    the GPU, said once otherwise. `gpu_bytes`: this rank's GPU memory (None: read it; no GPU: nothing to check)."""
     quantized = m.use_4bit_quantization or m.use_8bit_quantization
     if not (quantized and launch.use_deepspeed and launch.deepspeed_zero_stage == "3"):
         return []
@@ -50,22 +51,25 @@ def zero3_quantized_load_problems(m: ModelArguments, d: DataTrainingArguments, t
     if gpu_bytes is None:  # a CPU dry run: device memory is host memory
         return []
     try:
-        whole = quantized_base_bytes(m, d, t)
+        from sft_recipe.plan.planner import plan_memory
+
+        plan = plan_memory(m, d, t, launch.accelerate_config(), None, gpu_bytes / GIB, "cuda", ladder=False)
     except Exception:  # the model path is checked (and named) elsewhere; this check needs its config
         return []
-    need = whole + 1.0 * GIB  # + the CUDA context (the planner's default)
+    need = plan.phases["load"]
     if need <= gpu_bytes:
         if launch.is_main_process:
-            logger.warning(f"QLoRA under DeepSpeed ZeRO-3: every GPU holds the whole quantized base "
-                           f"({whole / GIB:.1f} GiB) while loading, before DeepSpeed partitions it; it fits this GPU "
-                           f"({gpu_bytes / GIB:.1f} GiB). FSDP loads it on the CPU and shards it unit by unit: "
-                           f"{FSDP_QLORA_COMMAND}.")
+            logger.warning(f"QLoRA under DeepSpeed ZeRO-3: every GPU holds the whole quantized base while loading "
+                           f"({need / GIB:.1f} GiB with the CUDA context), before DeepSpeed partitions it; it fits "
+                           f"this GPU ({gpu_bytes / GIB:.1f} GiB). FSDP loads it on the CPU and shards it unit by "
+                           f"unit: {FSDP_QLORA_COMMAND}.")
         return []
-    return [f"QLoRA under DeepSpeed ZeRO-3: every GPU must first hold the whole quantized base ({whole / GIB:.1f} GiB "
-            f"+ ~1 GiB CUDA context) before DeepSpeed partitions it, and this GPU has {gpu_bytes / GIB:.1f} GiB. "
-            "transformers 5.x skips zero.Init for quantized models, maps them onto each rank's GPU and refuses a "
-            "device_map under ZeRO-3, so the recipe cannot load it elsewhere. Fix: FSDP, which the recipe loads on the "
-            f"CPU and shards one unit at a time: {FSDP_QLORA_COMMAND}; or a GPU with more memory."]
+    return [f"QLoRA under DeepSpeed ZeRO-3: every GPU must first hold the whole quantized base ({need / GIB:.1f} GiB "
+            f"with the CUDA context: the memory plan's load phase) before DeepSpeed partitions it, and this GPU has "
+            f"{gpu_bytes / GIB:.1f} GiB. transformers 5.x skips zero.Init for quantized models, maps them onto each "
+            "rank's GPU and refuses a device_map under ZeRO-3, so the recipe cannot load it elsewhere. Fix: FSDP, "
+            f"which the recipe loads on the CPU and shards one unit at a time: {FSDP_QLORA_COMMAND}; or a GPU with "
+            "more memory."]
 
 
 def dtype_problems(m: ModelArguments, t) -> list[str]:

@@ -235,20 +235,22 @@ def test_more_gpus_is_the_last_resort(shape_70b, lora_args):
 
 
 def test_guide_predictions_land_near_the_published_figures():
-    """Bands: LoRA inside the published 72-80 GiB; QLoRA within 25% (offload) and 15% (no offload) below the
-    published figures, which came from a stack that also materialized the full fp32 logits and read nvidia-smi's
-    reserved memory (see render_guide_comparison)."""
+    """Within the published table's bounds (tests/published_gpu_memory.csv): never more than 10% below a figure,
+    at most 15% above (LoRA: of its 72-80 GiB range). The LoRA run's range reaches its 80 GiB card, so the plan
+    calls it tight there; QLoRA with offload fits 24 GiB with the plan's error to spare, without offload it does
+    not fit (the guide ran it on larger cards)."""
     plans = guide_plans(lora_dtype="float32")  # the published run loaded its LoRA base in fp32, as upstream does
     lo, hi = PUBLISHED["lora-8x80"]["gpu_gib"]
-    assert lo <= plans["lora-8x80"].peak_gib <= hi
-    assert plans["lora-8x80"].fits
+    assert 0.9 * lo <= plans["lora-8x80"].peak_gib <= 1.15 * hi
+    assert plans["lora-8x80"].verdict == "tight"
     ours = guide_plans()["lora-8x80"]  # the recipe's bf16 base: the base's shard halved, nothing else changed
     shape = model_shape(LLAMA_70B, extra_vocab=4)
     assert plans["lora-8x80"].peak_bytes - ours.peak_bytes == pytest.approx(shape.total_params * 2 / 8, rel=0.05)
+    assert ours.verdict == "fits"
     offload = plans["qlora-2x24-offload"].peak_gib
-    assert 0.75 * 19.6 <= offload <= 1.05 * 19.6 and plans["qlora-2x24-offload"].fits
+    assert 0.9 * 19.6 <= offload <= 1.15 * 19.6 and plans["qlora-2x24-offload"].verdict == "fits"
     no_offload = plans["qlora-2x24"].peak_gib
-    assert 0.85 * 35.6 <= no_offload <= 1.05 * 35.6 and not plans["qlora-2x24"].fits
+    assert 0.9 * 35.6 <= no_offload <= 1.15 * 35.6 and plans["qlora-2x24"].verdict == "does not fit"
     host = plans["qlora-2x24-offload"].host_peak_bytes / GIB
     assert 0.5 * 107 <= host <= 1.2 * 107
 

@@ -1,14 +1,11 @@
 """The guide's runs inside the memory planner: the packaged setup against the shipped recipes and accelerate YAMLs
-(so the two cannot drift), the old stack's logits figure, and the architectures the package ships.
+(so the two cannot drift), and the architectures the package ships.
 
 The planner must run from an installed package, which has no recipes/ or configs/; these tests hold what it carries
 equal to those files.
 """
 
 from __future__ import annotations
-
-import json
-from dataclasses import replace
 
 import pytest
 
@@ -19,7 +16,6 @@ from sft_recipe.plan.guide import (
     GUIDE_RUNS,
     LORA_RECIPE,
     QLORA_RECIPE,
-    legacy_logits_bytes,
 )
 from tests.helpers import REPO
 
@@ -82,16 +78,6 @@ def test_guide_plans_equal_the_plans_of_the_shipped_files():
         direct = plan_memory(model_args, data_args, training_args, cfg, None, GUIDE_RUNS[key].gpu_memory_gib,
                              "cuda", ladder=False)
         assert direct == plans[key], key
-
-
-def test_the_old_stacks_logits_take_the_vocabulary_from_the_model_config(tmp_path):
-    """The '+ full logits' column: T x V x 10 bytes, V read from the config of the run's model, not assumed."""
-    run = GUIDE_RUNS["lora-8x80"]
-    tokens = 8 * 2048  # the recipe's micro-batch x max_seq_len
-    assert legacy_logits_bytes(run) == tokens * 32000 * 10  # Llama-2-70B's vocabulary, from its shipped config
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 1000}))
-    assert legacy_logits_bytes(replace(run, recipe={**run.recipe, "model_name_or_path": str(tmp_path)})) == \
-        tokens * 1000 * 10
 
 
 def test_the_planner_ships_the_architectures_it_plans_offline():

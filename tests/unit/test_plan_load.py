@@ -13,7 +13,7 @@ import pytest
 
 from sft_recipe.plan import GIB, guide_plans, main, model_shape, parse_train_flags, plan_memory, render_guide_comparison
 from sft_recipe.plan.components import base_weight_bytes
-from sft_recipe.plan.gpu import QUANTIZE_WEIGHTS_PER_S_PER_THREAD, layer_bytes_as_loaded
+from sft_recipe.plan.gpu import DEFAULT_CUDA_CONTEXT_GIB, QUANTIZE_WEIGHTS_PER_S_PER_THREAD, layer_bytes_as_loaded
 from sft_recipe.plan.inputs import workload
 from tests.helpers import REPO
 
@@ -56,7 +56,7 @@ def test_the_guides_qlora_run_fits_on_the_recipes_path_and_stops_at_load_on_upst
 
 def test_fsdp_load_puts_nothing_on_the_gpu_and_wrapping_one_layer_beyond_the_shard(qlora_args):
     plan = _plan(qlora_args, QLORA_YAML)
-    context = 1.0 * GIB
+    context = DEFAULT_CUDA_CONTEXT_GIB * GIB
     assert plan.phases["load"] == pytest.approx(context)  # loaded on the CPU: only the CUDA context
     whole = _whole_4bit_base(qlora_args)
     model_args, data_args, _, training_args = qlora_args
@@ -83,10 +83,10 @@ def _yaml_without_offload() -> dict:
 def test_upstreams_path_and_one_process_put_the_whole_quantized_base_on_the_gpu(qlora_args):
     whole = _whole_4bit_base(qlora_args)
     upstream = _plan(qlora_args, QLORA_YAML, load_path="upstream")
-    assert upstream.phases["load"] == pytest.approx(1.0 * GIB + whole, rel=1e-6)
+    assert upstream.phases["load"] == pytest.approx(DEFAULT_CUDA_CONTEXT_GIB * GIB + whole, rel=1e-6)
     assert upstream.phases["wrap"] > upstream.phases["load"]  # a unit's flat copy before it is sharded
     single = _plan(qlora_args, None, gpu_gib=80.0)  # one process: the quantizer's map is the right one
-    assert single.phases["load"] == pytest.approx(1.0 * GIB + whole, rel=1e-6)
+    assert single.phases["load"] == pytest.approx(DEFAULT_CUDA_CONTEXT_GIB * GIB + whole, rel=1e-6)
 
 
 def test_host_ram_and_quantization_time_follow_the_path(qlora_args):
@@ -114,5 +114,5 @@ def test_cli_prints_where_the_run_stops(capsys):
     assert "verdict: DOES NOT FIT in 24 GiB per GPU at load" in out
     assert main([*argv, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["fits"] and plan["phases_gib"]["load"] == pytest.approx(1.0)
+    assert plan["fits"] and plan["phases_gib"]["load"] == pytest.approx(DEFAULT_CUDA_CONTEXT_GIB)
     assert plan["quantization_seconds"] > 0 and plan["fails_at"] is None

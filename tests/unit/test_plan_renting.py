@@ -67,6 +67,9 @@ def _replan(command: str, gpu_memory_gib: float):
     if "--fsdp_offload_params" in opts:
         config = {**config, "fsdp_config": {**config["fsdp_config"],
                                             "fsdp_offload_params": opts["--fsdp_offload_params"] == "true"}}
+    for key in ("offload_optimizer_device", "offload_param_device"):  # accelerate's DeepSpeed overrides
+        if f"--{key}" in opts:
+            config = {**config, "deepspeed_config": {**config["deepspeed_config"], key: opts[f"--{key}"]}}
     config = {**config, "num_processes": int(opts["--num_processes"]),
               "num_machines": int(opts.get("--num_machines", config.get("num_machines") or 1))}
     model_args, data_args, _, training_args = parse_train_flags(train, "cuda")
@@ -97,25 +100,26 @@ def test_offload_and_a_bf16_base_need_fewer_gpus(lora_run, lora_fp32_run):
     fp32 = fewest(lora_fp32_run, 80.0, engines=("fsdp1",))
     assert _by(bf16, offload=True).num_processes < _by(bf16, offload=False).num_processes
     assert _by(bf16, offload=False).num_processes < _by(fp32, offload=False).num_processes
-    assert (_by(bf16, offload=False).num_processes, _by(fp32, offload=False).num_processes) == (4, 7)
+    # with the plan's measured error as headroom (11%): a bf16 base on 6, fp32 (upstream's load) past one machine
+    assert (_by(bf16, offload=False).num_processes, _by(fp32, offload=False).num_processes) == (6, 16)
 
 
 def test_fewest_gpus_is_monotonic_in_gpu_memory(lora_fp32_run):
     """Bigger GPUs never need more of them; small ones spill onto whole machines, named with the multi-node YAML;
     below what one GPU's activations and buffers take, no count fits and the answer says why."""
-    counts = [fewest(lora_fp32_run, gib, engines=("fsdp2",), offload=(False,))[0] for gib in (48, 64, 80, 141)]
+    counts = [fewest(lora_fp32_run, gib, engines=("fsdp2",), offload=(False,))[0] for gib in (64, 80, 141)]
     assert all(a.fits for a in counts)
     assert [a.num_processes for a in counts] == sorted((a.num_processes for a in counts), reverse=True)
     many = counts[0]
     assert many.num_processes > 8 and many.num_processes % 8 == 0 and many.num_machines == many.num_processes // 8
     assert f"configs/multi_node/fsdp2_config.yaml --num_machines {many.num_machines}" in many.command
     assert "--main_process_ip" in many.command
-    never = fewest(lora_fp32_run, 40.0, engines=("fsdp2",), offload=(False,))[0]
+    never = fewest(lora_fp32_run, 48.0, engines=("fsdp2",), offload=(False,))[0]
     assert not never.fits and not never.command and "activations and buffers do not shrink" in never.note
 
 
-def test_the_global_batch_grows_with_the_gpus_and_the_answer_says_how_to_keep_it(lora_run):
-    a = _by(fewest(lora_run, 80.0, engines=("fsdp1",), offload=(False,)), offload=False)
+def test_the_global_batch_grows_with_the_gpus_and_the_answer_says_how_to_keep_it(lora_fp32_run):
+    a = _by(fewest(lora_fp32_run, 80.0, engines=("fsdp1",), offload=(False,)), offload=False)
     assert a.global_batch == a.num_processes * 8 * 4  # micro-batch 8, accumulation 4
     assert f"--gradient_accumulation_steps {8 * 8 * 4 // (a.num_processes * 8)} keeps the global batch of 256" \
         in a.note
@@ -292,7 +296,7 @@ def test_cli_prints_the_table_and_the_command(capsys):
                  "--engines", "fsdp1", "--no_breakdown"]) == 0
     out = capsys.readouterr().out
     assert "fewest GPUs of 80 GiB" in out
-    assert "accelerate launch --config_file configs/fsdp_config.yaml --num_processes 4 train.py --config " \
+    assert "accelerate launch --config_file configs/fsdp_config.yaml --num_processes 6 train.py --config " \
            "recipes/llama2_70b_lora.yaml" in out
     assert "--fsdp_offload_params true" in out
     assert main(["--longest_seq_len", "--gpu_memory_gib", "24", "--config_file", "configs/fsdp_config_qlora.yaml",

@@ -205,6 +205,12 @@ def test_zero3_qlora_is_refused_where_the_whole_quantized_base_does_not_fit_a_gp
     problems = zero3_quantized_load_problems(m, d, t, ZERO3, gpu_bytes=24 * 2**30)
     assert len(problems) == 1
     assert "whole quantized base (" in problems[0] and "this GPU has 24.0 GiB" in problems[0]
+    # The number is the memory plan's load phase for this launch: the whole base and the framework overhead.
+    from sft_recipe.plan.planner import plan_memory
+
+    plan = plan_memory(m, d, t, ZERO3.accelerate_config(), None, 24.0, "cuda", ladder=False)
+    assert plan.phases["load"] > whole and f"({plan.phases['load'] / 2**30:.1f} GiB" in problems[0]
+    assert plan.fails_at == "load" and plan.verdict == "does not fit"
     assert "configs/fsdp_config_qlora.yaml" in problems[0]  # the command that works
     # Where it fits (an 80 GB GPU) it runs, and says once what loading costs there.
     with caplog.at_level("WARNING"):
