@@ -19,7 +19,8 @@ or timeout is a row in the table, and the next step runs. Steps:
                             bench/upstream/, git-ignored: carry it) holds it and its utils.py; not in this repo,
                             skipped with a note otherwise
 One table: tokens/s (mean after the first logging interval), MFU, peak GPU memory during training vs the memory
-plan's prediction (sft_recipe.plan, same flags), peak GPU memory from process start to the end of loading and to the
+plan's prediction (sft_recipe.plan, same flags), peak allocated and peak reserved each beside the plan's figure of
+that kind (plan_vs_measured.csv beside the table: the rows the published table gains from a GPU run), peak GPU memory from process start to the end of loading and to the
 end of wrapping (run_record.json) beside the plan's load phase, peak after the final save, its seconds, the adapter
 check.
 GPU_CHECK_SMOKE=1: the same steps on the tiny model in fp32 on CPU, 2 steps each (tests/test_gpu_check.py); the
@@ -194,7 +195,12 @@ def predicted(plan_argv: list[str] | None) -> dict:
         plan = json.loads(buffer.getvalue())
     except (Exception, SystemExit):
         return {}
-    return {"plan_gib": plan["peak_gib"], "plan_load_gib": plan["phases_gib"].get("load")}
+    rows = {r["name"]: r["gib"] for r in plan["rows"]}
+    step = plan["phases_gib"]["train step"]
+    # the kinds torch measures: reserved = the step less the CUDA context; allocated = that less the cache's reserve
+    reserved = step - rows.get("framework overhead", 0.0)
+    return {"plan_gib": plan["peak_gib"], "plan_load_gib": plan["phases_gib"].get("load"),
+            "plan_reserved_gib": reserved, "plan_allocated_gib": reserved - rows.get("allocator reserve", 0.0)}
 
 
 def run_step(step: dict, deadline: float) -> dict:
@@ -248,6 +254,7 @@ def read_results(out: Path) -> dict:
     return {"tokens_per_second": throughput.get("tokens_per_second"), "mfu": throughput.get("mfu"),
             "peak_after_save_gib": max(memory.get("peak_memory_gib_per_rank") or [None], key=lambda x: x or 0),
             "peak_train_gib": memory.get("peak_gpu_memory_gib"), "save_seconds": save.get("seconds"),
+            "peak_reserved_gib": memory.get("peak_gpu_reserved_gib"),
             # from process start: to the end of loading (+ LoRA layers), and to the end of wrapping
             "load_gpu_gib": max(memory.get("gpu_peak_gib_after_load_per_rank") or [None], key=lambda x: x or 0),
             "wrap_gpu_gib": max(memory.get("gpu_peak_gib_after_wrap_per_rank") or [None], key=lambda x: x or 0)}
@@ -257,14 +264,24 @@ def fmt(value, pattern="{:.1f}") -> str:
     return "-" if value is None else pattern.format(value)
 
 
+def versus(row: dict, measured: str, planned: str) -> str:
+    """'measured / plan (ratio plan/measured)': the figure bench/plan_vs_published.py sets beside published ones."""
+    m, p = row.get(measured), row.get(planned)
+    if m is None or p is None or not m:
+        return "-"
+    return f"{m:.2f} / {p:.2f} ({p / m:.2f}x)"
+
+
 def render(rows: list[dict], header: str) -> str:
-    lines = [header, "", "| step | status | tokens/s | MFU | peak GiB (train) | plan GiB | GPU GiB at load | "
-             "through wrap | plan load | peak GiB after save | save s | adapter check | s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [header, "", "| step | status | tokens/s | MFU | peak GiB (train) | plan GiB | allocated / plan | "
+             "reserved / plan | GPU GiB at load | through wrap | plan load | peak GiB after save | save s | "
+             "adapter check | s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['step']} | {r['status']} | {fmt(r.get('tokens_per_second'), '{:.0f}')} | "
                      f"{fmt(r.get('mfu'), '{:.1%}')} | {fmt(r.get('peak_train_gib'), '{:.2f}')} | "
-                     f"{fmt(r.get('plan_gib'), '{:.2f}')} | {fmt(r.get('load_gpu_gib'), '{:.2f}')} | "
+                     f"{fmt(r.get('plan_gib'), '{:.2f}')} | {versus(r, 'peak_train_gib', 'plan_allocated_gib')} | "
+                     f"{versus(r, 'peak_reserved_gib', 'plan_reserved_gib')} | {fmt(r.get('load_gpu_gib'), '{:.2f}')} | "
                      f"{fmt(r.get('wrap_gpu_gib'), '{:.2f}')} | {fmt(r.get('plan_load_gib'), '{:.2f}')} | "
                      f"{fmt(r.get('peak_after_save_gib'), '{:.2f}')} | "
                      f"{fmt(r.get('save_seconds'), '{:.2f}')} | {r.get('adapter_check', '-')} | "
@@ -302,7 +319,27 @@ def main() -> int:
     print(table)
     (OUT / "gpu_check.md").write_text(table + "\n")
     (OUT / "gpu_check.json").write_text(json.dumps(rows, indent=2))
+    write_plan_vs_measured(rows, model, OUT / "plan_vs_measured.csv")
     return 0
+
+
+def write_plan_vs_measured(rows: list[dict], model: Path, path: Path) -> None:
+    """The plan beside what torch measured, per step that trained: the GPU's own rows for
+    tests/published_gpu_memory.csv (its model is the 8B-shaped config written beside it: ship it under
+    sft_recipe/plan/models/ to plan those rows there)."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(["step", "peak_allocated_gib", "plan_allocated_gib", "peak_reserved_gib", "plan_reserved_gib",
+                         "model_config"])
+        for r in rows:
+            if r.get("peak_train_gib") is not None:
+                writer.writerow([r["step"], r["peak_train_gib"], round(r.get("plan_allocated_gib") or 0, 3),
+                                 r.get("peak_reserved_gib"), round(r.get("plan_reserved_gib") or 0, 3),
+                                 "config.json"])
+    if (model / "config.json").is_file():
+        shutil.copyfile(model / "config.json", path.parent / "config.json")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,11 @@ def test_gpu_check_smoke_prints_one_row_per_step(tmp_path):
     assert rows["qlora"]["load_gpu_gib"] is None and rows["qlora"]["wrap_gpu_gib"] is None
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| GPU GiB at load | through wrap | plan load |" in table
+    # allocated and reserved beside the plan's figure of each kind (filled where torch measures them: on the GPU)
+    assert "| allocated / plan | reserved / plan |" in table
+    assert rows["lora"]["plan_allocated_gib"] <= rows["lora"]["plan_reserved_gib"] <= rows["lora"]["plan_gib"]
+    csv_lines = (tmp_path / "plan_vs_measured.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("step,peak_allocated_gib,plan_allocated_gib,peak_reserved_gib,plan_reserved_gib")
     assert table in result.output, "the table is printed"
     assert re.search(r"^\| qlora-1gpu \| ok \| \d+ \|", table, flags=re.M)
     # run_peft.sh ran as shipped: its own reentrant checkpointing and uint8 4-bit storage
@@ -54,3 +59,23 @@ def test_wheel_fetch_never_asks_for_torch_and_headers_give_the_command():
         assert any(f"bash {script}" in line for line in head[:6]), script
     ignored = (REPO / ".gitignore").read_text()
     assert "/bench/wheels/" in ignored, "tens of MiB of wheels must never be committed"
+
+
+def test_a_gpu_row_sets_the_plan_beside_both_measured_kinds(tmp_path):
+    """What the GPU run writes for a trained step: measured / plan (plan/measured) per kind, and a CSV row for the
+    published table with the model's config beside it."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_check
+
+    row = {"step": "lora", "peak_train_gib": 20.0, "plan_allocated_gib": 21.0, "peak_reserved_gib": 24.0,
+           "plan_reserved_gib": 22.8}
+    assert gpu_check.versus(row, "peak_train_gib", "plan_allocated_gib") == "20.00 / 21.00 (1.05x)"
+    assert gpu_check.versus({"step": "x"}, "peak_train_gib", "plan_allocated_gib") == "-"
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    gpu_check.write_plan_vs_measured([row, {"step": "refused"}], model, tmp_path / "plan_vs_measured.csv")
+    lines = (tmp_path / "plan_vs_measured.csv").read_text().splitlines()
+    assert lines[1:] == ["lora,20.0,21.0,24.0,22.8,config.json"] and (tmp_path / "config.json").is_file()

@@ -36,9 +36,12 @@ Notation used in every formula of this package (all sizes in bytes unless a name
 Each formula is in the docstring of the function computing it (components.py, gpu.py, cpu.py).
 Everything here was measured against this stack (torch 2.13, transformers 5.24, trl 1.16, peft 0.21,
 bitsandbytes 0.50): activation coefficients against autograd's saved tensors of a real model
-(tests/unit/test_plan.py), CPU peak RSS against real `accelerate launch` runs (bench/memory_plan.py). The GPU
-numbers are a prediction of `torch.cuda.max_memory_allocated` plus the CUDA context; nvidia-smi shows the caching
-allocator's *reserved* memory, typically 5-15% more (`allocator_reserve` row).
+(tests/unit/test_plan.py), the loss's terms against what its ops allocate (tests/unit/test_plan_loss.py), CPU peak
+RSS against real `accelerate launch` runs (bench/memory_plan.py). A GPU plan's rows are what
+`torch.cuda.max_memory_allocated` counts, then the caching allocator's reserve (`allocator reserve`: reserved beyond
+allocated) and what nvidia-smi shows beyond torch (`framework overhead`); those two are set against 24 GPU figures
+others published (tests/published_gpu_memory.csv, bench/plan_vs_published.py), and a GPU verdict "fits" only with
+the plan's worst miss there as headroom (result.GPU_PLAN_ERROR_BELOW), "tight" inside it.
 
 Where the published figures of the guide's two runs come from: PEFT's "Use PEFT and FSDP" guide (72-80 GB/GPU for
 LoRA on 8x80 GB; QLoRA on 2x24 GB: 19.6 GB/GPU with CPU offload and ~107 GB host RAM, 35.6 GB/GPU without). The
@@ -50,7 +53,8 @@ The modules, in the order a plan is made:
     shape.py       the architecture, counted on the meta device (ModelShape)
     inputs.py      the run: accelerate YAML -> Distribution (how it is spread), train.py flags -> Workload
     components.py  the formulas both estimates share: weights, adapter, optimizer state, activations, FSDP buffers
-    gpu.py         GPU memory per rank and host RAM per machine of a CUDA run
+    gpu.py         GPU memory per rank and host RAM per machine of a CUDA run (one process, DDP, FSDP)
+    deepspeed.py   the same for DeepSpeed ZeRO-2 / ZeRO-3, with and without CPU offload
     cpu.py         peak RSS per rank of a CPU run (constants measured on this stack)
     result.py      MemoryPlan, its rows, and how it prints
     planner.py     plan_memory, and the fit ladder when a run does not fit

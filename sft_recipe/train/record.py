@@ -55,6 +55,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "throughput": ("tokens_per_second", "tokens_per_second_per_device", "mfu", "peak_tflops_per_device",
                    "flops_per_token", "per_log"),
     "memory": ("peak_memory_gib_per_rank", "peak_memory_kind", "peak_rss_mib_per_rank", "peak_gpu_memory_gib",
+               "peak_gpu_reserved_gib",
                "model_state_mib_per_rank", "rss_anon_after_load_mib_per_rank", "rss_file_after_load_mib_per_rank",
                "weight_mib_after_load_per_rank", "rss_anon_after_wrap_mib_per_rank", "weight_mib_after_wrap_per_rank",
                "gpu_peak_gib_after_load_per_rank", "gpu_peak_gib_after_wrap_per_rank", "fsdp2_unsharded_params"),
@@ -183,7 +184,9 @@ class RunRecord(TrainerCallback):
         self.set("memory", peak_rss_mib_per_rank=[round(float(x), 1) for x in peaks[:, 0]],
                  model_state_mib_per_rank=[round(float(x), 2) for x in peaks[:, 1]])
         if torch.cuda.is_available():
-            self.set("memory", peak_gpu_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3))
+            # allocated and reserved (what nvidia-smi shows, less the CUDA context): the plan's two figures
+            self.set("memory", peak_gpu_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
+                     peak_gpu_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3))
         self._summarize_throughput()
 
     def _summarize_throughput(self) -> None:
