@@ -20,9 +20,9 @@ or timeout is a row in the table, and the next step runs. Steps:
                             skipped with a note otherwise
 One table: tokens/s (mean after the first logging interval), MFU, peak GPU memory during training vs the memory
 plan's prediction (sft_recipe.plan, same flags), peak allocated and peak reserved each beside the plan's figure of
-that kind (plan_vs_measured.csv beside the table: the rows the published table gains from a GPU run), peak GPU memory from process start to the end of loading and to the
-end of wrapping (run_record.json) beside the plan's load phase, peak after the final save, its seconds, the adapter
-check.
+that kind (plan_vs_measured.csv beside the table: the rows the published table gains from a GPU run), peak GPU
+memory from process start to the end of loading and to the end of wrapping (run_record.json) beside the plan's load
+phase, peak after the final save, its seconds, the adapter check.
 GPU_CHECK_SMOKE=1: the same steps on the tiny model in fp32 on CPU, 2 steps each (tests/test_gpu_check.py); the
 offload steps are then refused up front (offload needs a GPU), which is what the smoke expects.
 """
@@ -281,7 +281,8 @@ def render(rows: list[dict], header: str) -> str:
         lines.append(f"| {r['step']} | {r['status']} | {fmt(r.get('tokens_per_second'), '{:.0f}')} | "
                      f"{fmt(r.get('mfu'), '{:.1%}')} | {fmt(r.get('peak_train_gib'), '{:.2f}')} | "
                      f"{fmt(r.get('plan_gib'), '{:.2f}')} | {versus(r, 'peak_train_gib', 'plan_allocated_gib')} | "
-                     f"{versus(r, 'peak_reserved_gib', 'plan_reserved_gib')} | {fmt(r.get('load_gpu_gib'), '{:.2f}')} | "
+                     f"{versus(r, 'peak_reserved_gib', 'plan_reserved_gib')} | "
+                     f"{fmt(r.get('load_gpu_gib'), '{:.2f}')} | "
                      f"{fmt(r.get('wrap_gpu_gib'), '{:.2f}')} | {fmt(r.get('plan_load_gib'), '{:.2f}')} | "
                      f"{fmt(r.get('peak_after_save_gib'), '{:.2f}')} | "
                      f"{fmt(r.get('save_seconds'), '{:.2f}')} | {r.get('adapter_check', '-')} | "

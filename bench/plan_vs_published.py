@@ -148,7 +148,8 @@ def main() -> int:
 
 def markdown_lines(table: list[dict]) -> list[str]:
     """The table as docs/memory-and-speed.md shows it (tests/unit/test_published_figures.py holds them equal)."""
-    lines = ["| source | run | engine, GPUs | kind | published GiB | plan GiB | ratio |", "|---|---|---|---|---|---|---|"]
+    lines = ["| source | run | engine, GPUs | kind | published GiB | plan GiB | ratio |",
+             "|---|---|---|---|---|---|---|"]
     for row in table:
         plan = planned_gib(row)
         engine = f"{row['engine']}{' + offload' if row['cpu_offload'] == 'yes' else ''}, {row['gpus']}"
