@@ -8,8 +8,9 @@
 Both search over plan_memory (nothing here sizes memory itself): fewest_gpus plans each engine (FSDP1 and FSDP2
 FULL_SHARD, with and without fsdp_offload_params; DeepSpeed ZeRO-3, with and without CPU offload; DDP, whose every
 GPU holds the whole model) at 1..8 GPUs, then whole machines of 8, and keeps the first count whose every phase
-fits; longest_seq_len binary-searches --max_seq_len on the plan's peak (it grows with the sequence in every term), with gradient checkpointing on and off, and with TRL's
---activation_offloading on and off where it applies (CUDA). Each answer carries its plan (the rows are the breakdown)
+fits; longest_seq_len binary-searches --max_seq_len on the plan's peak (it grows with the sequence in every
+term), with gradient checkpointing on and off, and with TRL's --activation_offloading on and off where it applies
+(CUDA). Each answer carries its plan (the rows are the breakdown)
 and the command that launches it. The micro-batch stays as given: the global batch (GPUs x micro-batch x
 accumulation) grows with the GPUs, and each fewest-GPUs answer says which --gradient_accumulation_steps keeps the
 run's own global batch.
