@@ -43,7 +43,9 @@ def train_flags(row: dict) -> list[str]:
     targets = "all-linear" if row["lora_targets"] == "all-linear" else ANSWERAI_TARGETS
     flags = ["--model_name_or_path", row["model"], "--use_peft_lora", "True", "--lora_r", row["lora_r"],
              "--lora_alpha", row["lora_alpha"], "--lora_target_modules", targets,
-             "--per_device_train_batch_size", row["batch"], "--max_seq_len", row["seq_len"], "--packing", "True",
+             "--per_device_train_batch_size", row["batch"], "--max_seq_len", row["seq_len"],
+             # the guide packs; Answer.AI's benchmark rows are seq_len tokens each, with no attention mask
+             "--packing", str(row["source"] != "answerai-benchmarks"),
              "--gradient_checkpointing", "True", "--use_reentrant", str(row["checkpointing"] == "reentrant"),
              "--bf16", "True", "--use_flash_attn", str(row["source"].startswith("peft-"))]
     if qlora:

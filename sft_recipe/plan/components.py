@@ -147,6 +147,26 @@ def loss_phase_bytes(shape: ModelShape, w: Workload) -> float:
     return (16 if w.loss_impl == "full-logits-kept" else 12) * T * V
 
 
+def attention_rows(shape: ModelShape, w: Workload) -> list[Row]:
+    """What the attention kernel adds on a GPU beyond the per-token terms (flash-attn and SDPA's flash and
+    memory-efficient kernels keep O(S) per head: a log-sum-exp, in ACT_C0).
+    - eager (a class without SDPA: transformers' eager_attention_forward): each layer saves the fp32 softmax and its
+      cast to the compute dtype, B*H*S^2*(4 + a): once for the recomputed layer under checkpointing, L times without.
+    - SDPA with packed rows (no flash-attn): transformers' sdpa_mask builds one boolean block-causal mask from the
+      position ids, B*S^2 bytes, shared by the layers."""
+    B, S, a = w.micro_batch, w.seq_len, w.compute_bytes
+    if w.flash_attention:
+        return []
+    if shape.attention == "eager":
+        per_layer = B * shape.num_heads * S * S * (4 + a)
+        layers = 1 if w.gradient_checkpointing else shape.num_layers
+        return [Row("activations: eager attention weights", layers * per_layer,
+                    f"{layers} x B*H*S^2*(4+a), H={shape.num_heads} (the class has no SDPA)")]
+    if w.packing:
+        return [Row("activations: packed attention mask", B * S * S, "B*S^2 bytes (SDPA's block-causal mask)")]
+    return []
+
+
 def activation_rows(shape: ModelShape, w: Workload, device: str) -> list[Row]:
     """Activations of one micro-batch (T = B*S tokens).
 
@@ -182,6 +202,8 @@ def activation_rows(shape: ModelShape, w: Workload, device: str) -> list[Row]:
     else:
         rows.append(Row("activations: saved", L * T * c, f"L*T*c, T={T}, c={c:,.0f} B/token/layer"))
     rows.append(Row("activations: backward working set", 2 * T * (h + i) * a, "2*T*(h+i)*a"))
+    if device == "cuda":
+        rows += attention_rows(shape, w)
     if w.loss_impl == "full-logits-kept":
         rows.append(Row("activations: logits kept through backward", 4 * T * shape.vocab_size,
                         "4*T*V (the caller holds the fp32 logits)"))

@@ -50,6 +50,8 @@ class ModelShape:
     linears: tuple[tuple[str, Linear], ...] = ()
     all_linear: frozenset[str] = frozenset()
     largest_layer: str = ""  # module name of the largest decoder layer
+    num_heads: int = 0  # attention heads
+    attention: str = "sdpa"  # what transformers picks for the class without --use_flash_attn: "sdpa" or "eager"
 
     def lora_params(self, r: int, targets: str | list[str], dora: bool = False) -> int:
         """LoRA parameters: sum over adapted linears of r*(in + out) (A is r x in, B is out x r); DoRA adds a magnitude
@@ -166,6 +168,8 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
         linears=tuple((n, Linear(n.rsplit(".", 1)[-1], *features(m))) for n, m in linears),
         all_linear=resolve_lora_targets("all-linear", model).modules,
         largest_layer=largest_name,
+        num_heads=getattr(text, "num_attention_heads", 0) or 0,
+        attention=str(getattr(config, "_attn_implementation", None) or "sdpa"),
     )
 
 

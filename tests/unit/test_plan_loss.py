@@ -1,6 +1,6 @@
-"""The loss terms of the memory plan (components.LOSS_IMPLS) against what the ops really allocate, measured with
-sft_recipe.measure.PeakLiveBytes; the tracker against known allocations; and the phase rule: the loss and the layers'
-backward are not simultaneous, so the peak counts the larger."""
+"""The loss and attention terms of the memory plan (components.LOSS_IMPLS, components.attention_rows) against what
+the ops really allocate, measured with sft_recipe.measure.PeakLiveBytes; the tracker against known allocations; and
+the phase rule: the loss and the layers' backward are not simultaneous, so the peak counts the larger."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from sft_recipe.measure import PeakLiveBytes
 from sft_recipe.plan import model_shape, parse_train_flags, workload
-from sft_recipe.plan.components import LOSS_IMPLS, activation_rows, loss_phase_bytes
+from sft_recipe.plan.components import LOSS_IMPLS, activation_rows, attention_rows, loss_phase_bytes
 from tests.helpers import REPO
 
 LLAMA_7B = str(REPO / "sft_recipe" / "plan" / "models" / "llama-2-7b")
@@ -89,3 +89,29 @@ def test_on_gpus_the_loss_counts_only_beyond_the_layer_phase_and_a_kept_logits_t
     # On CPU glibc keeps the freed pages of one phase for the next: the loss is summed (measured on CPU RSS).
     cpu = {r.name: r.bytes for r in activation_rows(shape, w, "cpu")}
     assert cpu["activations: loss"] == pytest.approx(loss_phase_bytes(shape, w))
+
+
+def test_eager_attention_saves_its_fp32_softmax_and_the_cast_and_packed_sdpa_one_mask():
+    """transformers' eager_attention_forward keeps B*H*S^2*(4 + a) bytes for backward (measured: what remains live
+    after the forward, beyond its output); flash-attn adds no S^2 term; SDPA over packed rows one bool mask."""
+    import types
+
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    B, H, S, D = 2, 4, 256, 32
+    module = types.SimpleNamespace(num_key_value_groups=1, training=True)
+    q, k, v = (torch.randn(B, H, S, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with PeakLiveBytes() as peak:
+        out, _ = eager_attention_forward(module, q, k, v, None, scaling=D ** -0.5, dropout=0.0)
+    saved = peak.live_bytes - out.numel() * out.element_size()
+    assert saved == B * H * S * S * (4 + 2)
+
+    shape = replace(model_shape(LLAMA_7B), attention="eager")
+    w = _workload("--per_device_train_batch_size", "2", "--max_seq_len", "1024")
+    (row,) = attention_rows(shape, w)
+    assert row.bytes == 2 * shape.num_heads * 1024 ** 2 * (4 + w.compute_bytes)  # the recomputed layer's
+    no_checkpointing = attention_rows(shape, replace(w, gradient_checkpointing=False))[0].bytes
+    assert no_checkpointing == shape.num_layers * row.bytes
+    assert attention_rows(shape, replace(w, flash_attention=True)) == []
+    (mask,) = attention_rows(model_shape(LLAMA_7B), w)  # SDPA, packed
+    assert mask.bytes == 2 * 1024 ** 2 and attention_rows(model_shape(LLAMA_7B), replace(w, packing=False)) == []
