@@ -49,6 +49,7 @@ from sft_recipe.train.divergence import DIVERGED_EXIT_CODE, Diverged
 from sft_recipe.train.gptq import checkpoint_quant_method  # a GPTQ base is recorded as quantization "gptq"
 from sft_recipe.train.model import added_token_ids, load_model, load_tokenizer, lora_config, untrained_token_note
 from sft_recipe.train.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_FILE, Preempted, StopAtStepEnd
+from sft_recipe.train.quantized_identity import check_quantized_base_identical
 from sft_recipe.train.record import RunRecord
 from sft_recipe.train.trainer import RecipeSFTTrainer
 
@@ -91,6 +92,8 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
 
     # 3. Model, sized to the tokenizer; SFTTrainer wraps it with the LoRA config and FSDP.
     model = load_model(model_args, training_args, tokenizer, launch)
+    if (note := check_quantized_base_identical(model, launch)) and launch.is_main_process:
+        logger.info(note)  # every rank quantized the same bytes (a collective; a rank that differs stops them all)
     new_token_ids = added_token_ids(model_args, tokenizer, training_args.trust_remote_code)
     if note := untrained_token_note(model_args, new_token_ids):
         logger.warning(note)

@@ -30,6 +30,12 @@ def _checksum(t: torch.Tensor) -> int:
     return int(words.sum(dtype=torch.int64))  # reduces without materialising an int64 copy
 
 
+def tensors_checksum(tensors) -> int:
+    """Exact checksum of the bytes of `tensors` (meta tensors have none), in a word that fits int64."""
+    with torch.no_grad():
+        return sum(_checksum(t) for t in tensors if t.device.type != "meta") % (1 << 62)
+
+
 def local_sums(model) -> tuple[int, int]:
     """(checksum of frozen params, checksum of trainable params) over this rank's shards: exact change detectors."""
     frozen = trainable = 0

@@ -6,8 +6,10 @@ Launched by the test, never by hand in normal use:
 
 Every rank parses train.py's flags for this launch, loads the model with `load_model` (the recipe's placement:
 compat.quantized_base_device_map) and writes <out_dir>/rank<N>.json: the device map it decided and a sha256 of
-every packed 4-bit weight and every tensor of its quantization state (absmax, code, nested state). Without a
-launcher (one process) it writes <out_dir>/one-process.json. It asserts nothing itself.
+every packed 4-bit weight and every tensor of its quantization state (absmax, code, nested state), then what the
+run-time identity check (sft_recipe.train.quantized_identity) said, as train.py calls it. `--perturb_rank N`: rank N
+changes one absmax value first, as a machine that quantizes differently would (the check must stop every rank).
+Without a launcher (one process) it writes <out_dir>/one-process.json. It asserts nothing itself.
 """
 
 from __future__ import annotations
@@ -48,9 +50,17 @@ def quantized_fingerprints(model) -> dict[str, str]:
     return out
 
 
-def main(argv: list[str]) -> None:
-    out_dir = Path(argv[argv.index("--out_dir") + 1])
-    argv = argv[:argv.index("--out_dir")] + argv[argv.index("--out_dir") + 2:]
+def _take(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
+    if flag not in argv:
+        return None, argv
+    i = argv.index(flag)
+    return argv[i + 1], argv[:i] + argv[i + 2:]
+
+
+def main(argv: list[str]) -> int:
+    out, argv = _take(argv, "--out_dir")
+    out_dir = Path(out)
+    perturb, argv = _take(argv, "--perturb_rank")
     from sft_recipe import compat
     from sft_recipe.config.args import parse_args
     from sft_recipe.config.launch_env import read_launch_env
@@ -61,13 +71,28 @@ def main(argv: list[str]) -> None:
     compat.install(launch)
     tokenizer = load_tokenizer(model_args)
     model = load_model(model_args, training_args, tokenizer, launch)
+    if perturb is not None and launch.rank == int(perturb):
+        import torch
+
+        with torch.no_grad():
+            state = next(m.weight.quant_state for m in model.modules()
+                         if getattr(getattr(m, "weight", None), "quant_state", None) is not None)
+            state.absmax.view(-1)[0] += 1
+    from sft_recipe.errors import ConfigError
+    from sft_recipe.train.quantized_identity import check_quantized_base_identical
+
+    try:
+        identity = {"note": check_quantized_base_identical(model, launch)}
+    except ConfigError as e:
+        identity = {"problems": e.problems}
     name = f"rank{launch.rank}" if launch.world_size > 1 else "one-process"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps({
         "device_map": compat.quantized_base_device_map(model_args, launch),
         "devices": sorted({str(p.device) for p in model.parameters()}),
-        "fingerprints": quantized_fingerprints(model)}, indent=1))
+        "fingerprints": quantized_fingerprints(model), "identity": identity}, indent=1))
+    return 2 if "problems" in identity else 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

@@ -73,6 +73,7 @@ def test_fsdp_qlora_trains_as_before_and_saves_the_one_process_adapter_layout(ru
     ours, before = runs[engine], runs[f"{engine}-quantizer"]
     assert "quantized base loaded on the CPU for FSDP" in ours.output  # the recipe placed it, and said so once
     assert ours.output.count("quantized base loaded on the CPU for FSDP") == 1
+    assert "the 4-bit base is identical on all 2 ranks" in ours.output  # train.py's run-time check, said once
     assert "quantized base loaded on the CPU" not in before.output
     assert ours.record["distribution"]["distributed_type"] == "FSDP"
     losses, reference = ours.record["training"]["losses"], before.record["training"]["losses"]
@@ -122,7 +123,24 @@ def test_every_rank_loads_the_bytes_of_a_one_process_load(tiny, tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     one = json.loads((tmp_path / "one-process.json").read_text())
     assert ranks[0]["device_map"] == ranks[1]["device_map"] == {"": "cpu"}  # FSDP: the recipe's placement
+    # the run-time check compared the same bytes on both ranks; one process has nothing to compare
+    assert all("the 4-bit base is identical on all 2 ranks" in r["identity"]["note"] for r in ranks)
+    assert one["identity"] == {"note": None}
     assert one["device_map"] is None  # one process: the quantizer's own
     # 14 linears x (packed weight, absmax, code, offset, nested absmax, nested code): double quantization
     assert len(one["fingerprints"]) == 14 * 6
     assert ranks[0]["fingerprints"] == ranks[1]["fingerprints"] == one["fingerprints"]
+
+
+def test_a_rank_that_quantized_differently_stops_every_rank_before_training(tiny, tmp_path):
+    """One absmax value changed on rank 1 (what another bitsandbytes build or CPU would do): both ranks stop with the
+    message naming rank 1 and the fix, before any weight is wrapped."""
+    worker = "tests/e2e/quantized_load_worker.py"
+    flags = ["--model_name_or_path", str(tiny.model_dir), *_data(tiny), *QLORA, "--out_dir", str(tmp_path),
+             "--perturb_rank", "1"]
+    result = launch_script("cpu/fsdp_config.yaml", worker, flags, tmp_path)
+    assert result.returncode != 0
+    for rank in (0, 1):
+        (problem,) = json.loads((tmp_path / f"rank{rank}.json").read_text())["identity"]["problems"]
+        assert "the 4-bit base differs between ranks: rank 1 quantized it" in problem
+        assert "the same bitsandbytes, torch and CPU kind on every machine" in problem
