@@ -28,6 +28,7 @@ from sft_recipe.compat.accelerate_fsdp import (
     init_optimizer_state_before_fsdp1_load,
     keep_present_no_split_modules,
 )
+from sft_recipe.compat.cpu_module_sync import allow_fsdp1_module_sync_on_cpu, fsdp1_module_sync_allowed_on_cpu
 from sft_recipe.compat.fsdp2_buffers import load_persistent_buffers_apart
 from sft_recipe.compat.hub_kernels import packing_kernel_gaps
 from sft_recipe.compat.peft_embeddings import save_embedding_layers_for
@@ -98,6 +99,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround("save_embedding_layers_for", "peft", ">=0.21", "0.21.2",
                "the gemma3-multimodal cell of tests/e2e/test_families.py saves the resized embedding rows without "
                "it"),
+    Workaround("allow_fsdp1_module_sync_on_cpu", "torch", ">=2.0", "2.13.0",
+               "test-only (a test worker installs it, never a user's run): tests/unit/test_cpu_module_sync.py "
+               "finds torch and accelerate no longer refuse FSDP1 sync_module_states on CPU"),
     Workaround("quantized_base_device_map", "transformers", ">=5.0", "5.24.0",
                "tests/unit/test_quantized_placement.py::test_transformers_still_loads_a_quantized_base_onto_the_gpu "
                "fails (the quantizer no longer maps a 4-bit base onto each rank's GPU under FSDP)"),
@@ -182,8 +186,9 @@ def installed() -> bool:
 
 
 __all__ = [
-    "TRAINER_OVERRIDES", "WORKAROUNDS", "enable_fsdp_on_cpu", "exit_skipping_teardown", "gather_full_state_dict",
-    "fused_head_reads_what_it_needs", "init_optimizer_state_before_fsdp1_load",
+    "TRAINER_OVERRIDES", "WORKAROUNDS", "allow_fsdp1_module_sync_on_cpu", "enable_fsdp_on_cpu",
+    "exit_skipping_teardown", "gather_full_state_dict",
+    "fsdp1_module_sync_allowed_on_cpu", "fused_head_reads_what_it_needs", "init_optimizer_state_before_fsdp1_load",
     "install", "installed", "keep_present_no_split_modules",
     "load_persistent_buffers_apart",
     "module_names_without_fsdp_segments", "packing_kernel_gaps",

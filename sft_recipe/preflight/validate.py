@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from sft_recipe.artifacts.checkpoints import previous_results, resolve_resume, resume_layout_problems
+from sft_recipe.compat.cpu_module_sync import fsdp1_module_sync_allowed_on_cpu
 from sft_recipe.config.args import DataTrainingArguments, ModelArguments, RecipeArguments
 from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
 from sft_recipe.config.optional_deps import bitsandbytes_optimizers, optional_dependency_problems
@@ -122,7 +123,7 @@ def _fsdp_env_problems(m: ModelArguments, launch: LaunchEnv) -> list[str]:
     if version == 1 and launch.fsdp_cpu_ram_efficient_loading and not sync:
         problems.append("fsdp_cpu_ram_efficient_loading: true needs fsdp_sync_module_states: true (only rank 0 loads "
                         "weights; the others receive them by that sync). Fix: set fsdp_sync_module_states: true.")
-    if launch.fsdp_on_cpu and version == 1 and sync:
+    if launch.fsdp_on_cpu and version == 1 and sync and not fsdp1_module_sync_allowed_on_cpu():  # (tests only)
         problems.append("fsdp_sync_module_states: true does not work for FSDP1 on CPU (torch syncs module states only "
                         "from GPU tensors). Fix: use configs/cpu/fsdp_config.yaml (sync and efficient loading off) "
                         "or FSDP2 (configs/cpu/fsdp2_config.yaml).")

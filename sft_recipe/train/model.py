@@ -23,6 +23,7 @@ from sft_recipe.train.architecture import (
     lora_targets,
     ties_embeddings,
 )
+from sft_recipe.train.quantized_from_rank0 import make_4bit_layers, quantized_base_from_rank0, share_quantization_state
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +93,12 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, launch):
     `launch` (a LaunchEnv) says whether this rank reads weights at all (weights_arrive_from_rank0)."""
     from transformers import AutoModelForCausalLM
 
-    if weights_arrive_from_rank0(model_args, launch, training_args.trust_remote_code):
+    once = quantized_base_from_rank0(model_args, launch)  # FSDP1 QLoRA: rank 0 alone reads the 4-bit base
+    if weights_arrive_from_rank0(model_args, launch, training_args.trust_remote_code) or (once and launch.rank):
         model = model_without_weights(model_args, training_args.trust_remote_code)
+        if once:  # the same Linear4bit layers, their quantization state from rank 0, packed weights at wrapping
+            make_4bit_layers(model, bnb_config(model_args))
+            share_quantization_state(model, launch, training_device(launch))
         fit_embeddings_to_tokenizer(model, tokenizer)
         keep_present_no_split_modules(model)  # what FSDP wraps: the layer classes this model has
         return model
@@ -105,7 +110,7 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, launch):
     # A quantized base under FSDP loads onto the CPU, not whole onto each GPU (compat.quantized_base_device_map).
     device_map = quantized_base_device_map(model_args, launch) if quantization is not None else None
     started = time.perf_counter()
-    with cpu_quantization_threads(launch, enabled=device_map is not None) as threads:
+    with cpu_quantization_threads(launch, enabled=device_map is not None, sole_loader=once) as threads:
         model = AutoModelForCausalLM.from_pretrained(
             model_args.model_name_or_path,
             **({"quantization_config": quantization} if quantization is not None else
@@ -115,32 +120,42 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, launch):
             dtype=model_dtype(model_args),
             trust_remote_code=training_args.trust_remote_code,
         )
+    seconds = time.perf_counter() - started
+    shared = share_quantization_state(model, launch, training_device(launch)) if once else None
     if launch.is_main_process:
         logger.info(attention_note(model))
         if device_map is not None:
-            logger.info(quantized_load_note(model, launch, time.perf_counter() - started, threads))
+            logger.info(quantized_load_note(model, launch, seconds, threads, shared))
     fit_embeddings_to_tokenizer(model, tokenizer)
     keep_present_no_split_modules(model)  # what FSDP wraps: the layer classes this model has
     return model
 
 
-def quantization_threads(launch, available_cpus: int, current_threads: int) -> int:
-    """Threads for bitsandbytes' CPU quantization on this rank: the machine's CPUs shared between its ranks, never
-    fewer than torch already uses. `torchrun` (under `accelerate launch`) sets OMP_NUM_THREADS=1, which would make a
-    70B base take about half an hour per rank (~35 M weights/s per thread, measured with bitsandbytes 0.50.2)."""
-    ranks_here = launch.local_world_size or launch.world_size or 1
+def quantization_threads(launch, available_cpus: int, current_threads: int, sole_loader: bool = False) -> int:
+    """Threads for bitsandbytes' CPU quantization on this rank: the machine's CPUs shared between the ranks that
+    quantize (all of them when this rank is the only one: `sole_loader`), never fewer than torch already uses.
+    `torchrun` (under `accelerate launch`) sets OMP_NUM_THREADS=1, which would make a 70B base take about half an
+    hour per rank (~35 M weights/s per thread, measured with bitsandbytes 0.50.2)."""
+    ranks_here = 1 if sole_loader else launch.local_world_size or launch.world_size or 1
     return max(current_threads, available_cpus // max(1, ranks_here), 1)
 
 
+def training_device(launch) -> torch.device:
+    """Where this rank's layers compute once wrapped: its GPU, or the CPU on a CPU run."""
+    if launch.use_cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 @contextlib.contextmanager
-def cpu_quantization_threads(launch, enabled: bool = True):
+def cpu_quantization_threads(launch, enabled: bool = True, sole_loader: bool = False):
     """While a quantized base loads on the CPU: torch's intra-op threads (bitsandbytes quantizes with torch ops)
     raised to this rank's share of the machine, then put back. Yields the thread count used."""
     before = torch.get_num_threads()
     if not enabled:
         yield before
         return
-    threads = quantization_threads(launch, len(os.sched_getaffinity(0)), before)
+    threads = quantization_threads(launch, len(os.sched_getaffinity(0)), before, sole_loader)
     torch.set_num_threads(threads)
     try:
         yield threads
@@ -148,17 +163,21 @@ def cpu_quantization_threads(launch, enabled: bool = True):
         torch.set_num_threads(before)
 
 
-def quantized_load_note(model, launch, seconds: float, threads: int) -> str:
-    """What loading a quantized base for FSDP cost, said once: where it is, host RAM per rank, quantization time."""
+def quantized_load_note(model, launch, seconds: float, threads: int, shared: str | None = None) -> str:
+    """What loading a quantized base for FSDP cost, said once: where it is, host RAM per rank, quantization time.
+    `shared`: what share_quantization_state said when rank 0 alone loaded it."""
     tensors = [*model.parameters(), *model.buffers(), *quant_state_tensors(model)]
     mib = live_tensor_mib(tensors)
+    head = (f"quantized base loaded on the CPU for FSDP in {seconds:.1f} s ({threads} thread"
+            f"{'s' if threads > 1 else ''}): {mib:,.1f} MiB on this rank.")
+    tail = " FSDP then moves the base to the training device one wrapped unit at a time, so no GPU holds all of it."
+    if shared:
+        return f"{head} {shared}.{tail}"
     ranks = launch.local_world_size or launch.world_size
-    return (f"quantized base loaded on the CPU for FSDP in {seconds:.1f} s ({threads} thread"
-            f"{'s' if threads > 1 else ''}): {mib:,.1f} MiB on this rank. Each of the {ranks} ranks on this machine "
-            f"holds its own copy ({ranks * mib / 1024:,.2f} GiB of host RAM) until FSDP shards it: every rank "
-            "computes its quantization state from the weights, and accelerate broadcasts neither 4-bit weights "
-            "(FSDP2) nor quantization state (FSDP1) from rank 0. FSDP then moves the base to the training device "
-            "one wrapped unit at a time, so no GPU holds all of it.")
+    why = ("accelerate's FSDP2 preparation broadcasts no 4-bit weights from rank 0" if launch.fsdp_version == 2
+           else "without fsdp_cpu_ram_efficient_loading FSDP1 syncs nothing from rank 0")
+    return (f"{head} Each of the {ranks} ranks on this machine holds its own copy ({ranks * mib / 1024:,.2f} GiB of "
+            f"host RAM) until FSDP shards it: {why}, so every rank quantizes the base itself.{tail}")
 
 
 def weights_arrive_from_rank0(model_args: ModelArguments, launch, trust_remote_code: bool = False) -> bool:
@@ -169,8 +188,8 @@ def weights_arrive_from_rank0(model_args: ModelArguments, launch, trust_remote_c
     skips re-initialising them), so an 8-GPU machine held 8 host copies of the model while loading. accelerate then
     keeps rank 0's weights and broadcasts them into the others' shards when it wraps the model (FSDP2:
     `fsdp2_load_full_state_dict`; FSDP1: `sync_module_states` with a meta `param_init_fn`), so the other ranks only
-    need the architecture. Quantized models are excluded: each rank's 4-bit layers carry quantization state that is
-    computed from the weights while loading and is not part of what accelerate broadcasts.
+    need the architecture. Quantized models are excluded: their 4-bit layers carry quantization state that is not
+    part of what accelerate broadcasts (FSDP1 4-bit bases come from rank 0 another way: quantized_from_rank0).
     """
     if not launch.cpu_ram_efficient_loading or launch.local_rank == 0:
         return False

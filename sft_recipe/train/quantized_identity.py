@@ -16,18 +16,26 @@ from sft_recipe.errors import ConfigError
 from sft_recipe.measure import quant_state_tensors, tensors_checksum
 
 
-def quantized_base_fingerprint(model) -> tuple[int, int, int] | None:
+def quantized_base_fingerprint(model) -> tuple[int | None, int, int] | None:
     """(packed weights checksum, quantization state checksum, packed weights) of this rank's 4-bit base, or None
-    for a base that has no quantization state. A packed weight is one that carries its quant_state."""
+    for a base that has no quantization state. A packed weight is one that carries its quant_state; the checksum is
+    None where they are all placeholders (meta: FSDP1 fills them from rank 0 as it wraps, quantized_from_rank0)."""
     packed = [p for p in model.parameters() if getattr(p, "quant_state", None) is not None]
     if not packed:
         return None
-    return tensors_checksum(packed), tensors_checksum(quant_state_tensors(model)), len(packed)
+    held = [p for p in packed if p.device.type != "meta"]
+    return (tensors_checksum(held) if held else None), tensors_checksum(quant_state_tensors(model)), len(packed)
 
 
 def differing_ranks(fingerprints: list) -> list[int]:
-    """Ranks whose fingerprint is not rank 0's."""
-    return [rank for rank, fp in enumerate(fingerprints) if fp != fingerprints[0]]
+    """Ranks whose fingerprint is not rank 0's: another quantization state or count, or other packed bytes where
+    both hold packed weights."""
+    def differs(fp) -> bool:
+        if fp is None or fingerprints[0] is None:
+            return fp != fingerprints[0]
+        packed_differ = fp[0] is not None and fingerprints[0][0] is not None and fp[0] != fingerprints[0][0]
+        return packed_differ or fp[1:] != fingerprints[0][1:]
+    return [rank for rank, fp in enumerate(fingerprints) if differs(fp)]
 
 
 def check_quantized_base_identical(model, launch) -> str | None:
@@ -52,5 +60,8 @@ def check_quantized_base_identical(model, launch) -> str | None:
             "weights with another's quantization state and train on no model at all. Every rank quantizes the same "
             "file itself, so the machines differ: the same bitsandbytes, torch and CPU kind on every machine fixes "
             "it (pip freeze | grep -iE 'bitsandbytes|torch' on each)."])
-    return (f"the 4-bit base is identical on all {len(everyone)} ranks ({everyone[0][2]} packed weights and their "
-            f"quantization state, exact checksums compared in {time.perf_counter() - started:.1f} s)")
+    holders = sum(fp[0] is not None for fp in everyone)
+    what = ("packed weights and their quantization state" if holders == len(everyone) else
+            f"quantization state; packed weights on {holders} of them, the others' filled from rank 0 at wrapping")
+    return (f"the 4-bit base is identical on all {len(everyone)} ranks ({everyone[0][2]} weights: {what}; exact "
+            f"checksums compared in {time.perf_counter() - started:.1f} s)")
