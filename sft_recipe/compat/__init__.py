@@ -107,8 +107,8 @@ WORKAROUNDS: tuple[Workaround, ...] = (
                "fails (the quantizer no longer maps a 4-bit base onto each rank's GPU under FSDP)"),
 )
 
-# Not workarounds themselves: what they are built from, also used by gather.py.
-HELPERS = ("strip_wrapper_segments",)
+# Not workarounds themselves: what they are built from (used by gather.py), and what validation asks.
+HELPERS = ("strip_wrapper_segments", "fsdp1_module_sync_allowed_on_cpu")
 
 
 @dataclass(frozen=True)

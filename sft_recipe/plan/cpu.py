@@ -40,7 +40,8 @@ def estimate_cpu(shape: ModelShape, w: Workload, d: Distribution, rank: int) -> 
       Without FSDP the loaded tensors *are* those pages (same dtype) or keep the mapping alive (quantized models
       keep their embeddings/head in it), for the whole run. FSDP copies weights into flat shards and drops the
       mapping after wrapping. FSDP2 with cpu_ram_efficient_loading: only rank 0 reads (LoRA); QLoRA loads on every
-      rank.
+      rank. FSDP1 with cpu_ram_efficient_loading: only rank 0 reads, QLoRA too (the others receive the 4-bit
+      quantization state).
     - loaded copies: 4-bit: the packed weights + constants (anonymous memory); a dtype change: a copy.
     - FSDP shards: base weights / G. Wrapping also holds one unsharded unit.
     - step: trainable + gradients + optimizer state, plus the heap the step's activations leave behind: glibc keeps
@@ -55,13 +56,17 @@ def estimate_cpu(shape: ModelShape, w: Workload, d: Distribution, rank: int) -> 
     opt, _ = optimizer_bytes(shape, w, trainable, tbytes)
     G = d.shard_group
     fsdp = d.kind == "fsdp"
-    reads_file = not (fsdp and d.fsdp_version == 2 and d.cpu_ram_efficient_loading and rank > 0 and not w.quant)
+    receives = rank > 0 and d.loads_quantized_base_once(w.quant)  # rank 0's quantization state, nothing else
+    reads_file = not (fsdp and d.fsdp_version == 2 and d.cpu_ram_efficient_loading and rank > 0 and not w.quant
+                      or receives)
     file_pages = shape.checkpoint_bytes if reads_file else 0.0
     ckpt_dtype_bytes = shape.checkpoint_bytes / max(1, shape.total_params)
     same_dtype = abs(ckpt_dtype_bytes - w.load_bytes) < 0.05 * w.load_bytes
     loaded_copy = (shardable + replicated) if w.quant else (0.0 if same_dtype else shardable)
-    if w.quant == "4bit":  # embeddings/head stay views of the mapping
+    if w.quant == "4bit" and not receives:  # embeddings/head stay views of the mapping
         loaded_copy -= (shape.total_params - shape.quantizable_params) * w.load_bytes if same_dtype else 0.0
+    if receives:
+        loaded_copy = replicated
     layer_q = sum(lin.in_features * lin.out_features for lin in shape.layer_linears)
     unit = (layer_q / 2 + (shape.layer_params - layer_q) * w.load_bytes if w.quant == "4bit"
             else shape.layer_params * w.load_bytes)  # one unsharded decoder layer as stored

@@ -104,7 +104,9 @@ def load_phases(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) ->
            with bitsandbytes, the whole quantized base (weights + constants) where transformers 5.x maps it to this
            rank's GPU: one process and DDP (where it trains whole anyway), and under FSDP on upstream's path
            (load_path "upstream": no device_map, and the allocator warmed up to the same size first);
-           0 under FSDP on the recipe's path (compat.quantized_base_device_map loads it on the CPU).
+           0 under FSDP on the recipe's path (compat.quantized_base_device_map loads it on the CPU), but for the
+           replicated 4-bit constants on ranks other than 0 when rank 0 alone loads it (FSDP1 +
+           cpu_ram_efficient_loading: they receive its quantization state onto their GPU).
     wrap = cuda_context_gib + weights/G (0 when offloaded) + replicated 4-bit constants + one decoder layer moved
            whole before it is sharded (U x b, packed when 4-bit); on upstream's FSDP path the whole base is already
            there: + weights x (1 - 1/G) until each unit is sharded.
@@ -113,7 +115,8 @@ def load_phases(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) ->
     shardable, replicated, _ = base_weight_bytes(shape, w)
     whole = shardable + replicated
     quantized_on_gpu = w.quant is not None and (d.kind != "fsdp" or knobs.get("load_path") == "upstream")
-    load = ctx + (whole if quantized_on_gpu else 0.0)
+    received = replicated if d.loads_quantized_base_once(w.quant) else 0.0  # rank 0's state, sent to the others
+    load = ctx + (whole if quantized_on_gpu else received)
     on_gpu = 0.0 if d.offload else 1.0
     sharded = d.shard_group if d.kind == "fsdp" else 1
     wrap = ctx + on_gpu * shardable / sharded + replicated + layer_bytes_as_loaded(shape, w)
@@ -124,7 +127,8 @@ def load_phases(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) ->
 
 def quantization_seconds(shape: ModelShape, w: Workload, threads: int = DEFAULT_QUANTIZE_THREADS_PER_RANK) -> float:
     """CPU time for one rank to quantize the base when it loads on the CPU (the recipe's FSDP path): Q weights at
-    QUANTIZE_WEIGHTS_PER_S_PER_THREAD x threads. Every rank quantizes the whole base, in parallel."""
+    QUANTIZE_WEIGHTS_PER_S_PER_THREAD x threads (rank 0 alone, with its machine's threads, when it loads the base
+    once; otherwise every rank, in parallel, with its share)."""
     if w.quant is None:
         return 0.0
     return shape.quantizable_params / (QUANTIZE_WEIGHTS_PER_S_PER_THREAD * max(1, threads))
@@ -135,8 +139,10 @@ def host_ram_rows(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) 
 
     host = runtime (n x host_runtime_gib) + max(loading, offloaded + activations + final save), where
            loading     = one copy of the loaded weights on local rank 0 and none on the others
-                         (cpu_ram_efficient_loading, not quantized); a quantized base under FSDP on the recipe's
-                         path: one copy per rank (each quantizes its own on the CPU); a quantized base placed on
+                         (cpu_ram_efficient_loading, not quantized); a 4-bit base under FSDP1 with
+                         cpu_ram_efficient_loading: one copy, on rank 0 (the others get its quantization state on
+                         their GPU); any other quantized base under FSDP on the recipe's path: one copy per rank
+                         (each quantizes its own on the CPU); a quantized base placed on
                          the GPU by transformers (one process, DDP, upstream's FSDP path): none; else one per rank,
            offloaded   = (weights + trainable + gradients + optimizer) x n/G,
            activations = n x what one rank pins for --activation_offloading (components.offloaded_activation_bytes;
@@ -156,6 +162,10 @@ def host_ram_rows(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) 
     if w.quant and (d.kind != "fsdp" or knobs.get("load_path") == "upstream"):
         load = 0.0
         lformula = "none: each weight is quantized on this rank's GPU as it is read (file pages only)"
+    elif d.loads_quantized_base_once(w.quant):
+        load = full_loaded
+        lformula = ("one copy of the quantized base, on rank 0 (its machine); the other ranks hold only its "
+                    "quantization state, on their GPU (FSDP1 sends the packed weights at wrapping)")
     elif w.quant:
         load = n * full_loaded
         lformula = (f"{n} cop{'y' if n == 1 else 'ies'} of the quantized base: every rank quantizes its own on the "

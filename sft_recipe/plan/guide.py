@@ -132,9 +132,9 @@ def render_load_comparison(plans: dict[str, MemoryPlan], upstream: dict[str, Mem
                          f"  largest: {plan.largest_phase} {plan.peak_gib:.1f}  -> {verdict} in "
                          f"{plan.budget_gib:g} GiB")
     plan = plans["qlora-2x24-offload"]
-    loading = {r.name: r.bytes for r in plan.host_rows}["loading"]
-    lines.append(f"    recipe: the base loads on the CPU, quantized by every rank ({loading / GIB:.0f} GiB of host RAM "
-                 f"per machine at load, ~{plan.quantization_seconds / 60:.1f} min of CPU quantization per rank); "
+    loading = {r.name: r for r in plan.host_rows}["loading"]
+    lines.append(f"    recipe: the base loads on the CPU: {loading.formula} ({loading.bytes / GIB:.0f} GiB of host RAM "
+                 f"per machine at load, ~{plan.quantization_seconds / 60:.1f} min of CPU quantization); "
                  "upstream: transformers 5.x quantizes it onto every GPU whole, before FSDP can shard it")
     return lines
 
@@ -167,7 +167,7 @@ def render_guide_comparison(plans: dict[str, MemoryPlan] | None = None,
     row = {r.name: r.bytes for r in upstream["qlora-2x24-offload"].host_rows}
     upstream_save = row.get("offloaded shards", 0) + row[UPSTREAM_SAVE_ROW]
     upstream_host = (row["runtime"] + max(row["loading"], upstream_save)) / GIB
-    lines.append(f"  host RAM, QLoRA + offload: predicted {host:.0f} GiB here (runtime, one quantized copy per rank "
+    lines.append(f"  host RAM, QLoRA + offload: predicted {host:.0f} GiB here (runtime, the quantized base "
                  f"while loading, then offloaded shards and the adapter-only save); {upstream_host:.0f} GiB on "
                  f"upstream's path (its final FULL_STATE_DICT gather), published "
                  f"~{PUBLISHED['qlora-2x24-offload']['host_gib']:g} GB")

@@ -28,6 +28,12 @@ class Distribution:
     offload_optimizer: bool = False  # DeepSpeed offload_optimizer_device: cpu
     zero3_init: bool = False  # DeepSpeed zero3_init_flag
 
+    def loads_quantized_base_once(self, quant: str | None) -> bool:
+        """FSDP1 with cpu_ram_efficient_loading on several ranks: rank 0 alone loads a 4-bit base, the others receive
+        its quantization state (sft_recipe/train/quantized_from_rank0.py, the same rule)."""
+        return (quant == "4bit" and self.kind == "fsdp" and self.fsdp_version == 1
+                and self.cpu_ram_efficient_loading and self.num_processes > 1)
+
     @property
     def per_machine(self) -> int:
         return max(1, self.num_processes // max(1, self.num_machines))

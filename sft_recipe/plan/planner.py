@@ -92,9 +92,13 @@ def _plan(shape: ModelShape, w: Workload, d: Distribution, budget: float, device
     quantize_s = 0.0
     if w.quant and d.kind == "fsdp" and knobs.get("load_path") != "upstream":
         threads = knobs.get("quantize_threads_per_rank", DEFAULT_QUANTIZE_THREADS_PER_RANK)
+        once = d.loads_quantized_base_once(w.quant)
+        threads *= d.per_machine if once else 1  # the only rank quantizing gets its machine's CPUs
         quantize_s = quantization_seconds(shape, w, threads)
-        notes.append(f"load: every rank quantizes the base on the CPU: {shape.quantizable_params:,} weights, "
-                     f"~{quantize_s / 60:.1f} min at {threads} threads per rank "
+        who = ("rank 0 alone quantizes the base on the CPU (FSDP1 sends it to the others as it wraps)" if once else
+               "every rank quantizes the base on the CPU")
+        notes.append(f"load: {who}: {shape.quantizable_params:,} weights, "
+                     f"~{quantize_s / 60:.1f} min at {threads} threads{'' if once else ' per rank'} "
                      f"({quantization_seconds(shape, w, 1) / 60:.0f} min on one; "
                      f"{QUANTIZE_WEIGHTS_PER_S_PER_THREAD / 1e6:.0f} M weights/s per thread measured)")
     notes.append(f"model: {shape.source}: {shape.total_params:,} params, {shape.num_layers} layers")

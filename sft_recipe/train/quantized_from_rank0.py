@@ -41,8 +41,9 @@ def quantized_base_from_rank0(model_args, launch) -> bool:
 def make_4bit_layers(model, quantization_config) -> None:
     """Turn a weightless model (sft_recipe.train.model.model_without_weights) into the 4-bit model rank 0 loaded:
     transformers' own quantizer swaps in bitsandbytes' Linear4bit for the same modules it converts while loading
-    (its modules_to_not_convert: the output head, tied and fp32-kept modules), weights still on meta, and marks the
-    model quantized as `from_pretrained` does (PEFT and TRL read those marks)."""
+    (its modules_to_not_convert: the output head, tied and fp32-kept modules), weights still on meta, ties the head
+    to the embedding where the config says so, and marks the model quantized as `from_pretrained` does (PEFT and
+    TRL read those marks)."""
     from transformers.quantizers import AutoHfQuantizer
 
     quantizer = AutoHfQuantizer.from_config(quantization_config, pre_quantized=False)
@@ -52,6 +53,7 @@ def make_4bit_layers(model, quantization_config) -> None:
         quantizer.preprocess_model(model, dtype=model.dtype, device_map={"": "cpu"})
     finally:
         torch.set_default_dtype(before)
+    model.tie_weights()  # as from_pretrained finishes a load: a tied head is the embedding (built untied on meta)
     model.hf_quantizer = quantizer
     quantizer.postprocess_model(model)
 

@@ -45,3 +45,17 @@ def test_the_ranks_that_differ_from_rank_0_are_named_and_one_process_compares_no
     assert differing_ranks([(1, 2, 3), (1, 2, 3), (1, 9, 3), None]) == [2, 3]
     assert differing_ranks([(1, 2, 3)] * 4) == []
     assert check_quantized_base_identical(_quantized_like(), LaunchEnv()) is None  # no process group
+
+
+def test_ranks_holding_placeholders_are_compared_by_their_quantization_state():
+    """FSDP1 with cpu_ram_efficient_loading: only rank 0 holds packed weights before wrapping (None on the others);
+    the state must still match everywhere, and packed bytes wherever two ranks both hold them."""
+    assert differing_ranks([(1, 2, 3), (None, 2, 3), (None, 2, 3)]) == []
+    assert differing_ranks([(1, 2, 3), (None, 9, 3), (None, 2, 4)]) == [1, 2]
+    assert differing_ranks([(1, 2, 3), (5, 2, 3), (None, 2, 3)]) == [1]  # a second holder with other bytes
+    model = _quantized_like()
+    for layer in model:
+        layer.weight = torch.nn.Parameter(torch.empty(8, 8, device="meta"), requires_grad=False)
+        layer.weight.quant_state = types.SimpleNamespace(absmax=torch.ones(4), code=torch.zeros(16), state2=None)
+    placeholder = quantized_base_fingerprint(model)
+    assert placeholder[0] is None and placeholder[2] == 2

@@ -22,6 +22,8 @@ from sft_recipe.train.model import bnb_config, quantization_threads
 
 FSDP1 = LaunchEnv(rank=1, local_rank=1, world_size=2, use_fsdp=True, fsdp_version=1,
                   fsdp_cpu_ram_efficient_loading=True, fsdp_sync_module_states=True)
+FSDP1_PER_RANK = LaunchEnv(rank=1, local_rank=1, world_size=2, use_fsdp=True, fsdp_version=1)
+FSDP1_RANK0 = LaunchEnv(**{**vars(FSDP1), "rank": 0, "local_rank": 0})
 FSDP2 = LaunchEnv(rank=1, local_rank=1, world_size=2, use_fsdp=True, fsdp_version=2,
                   fsdp_cpu_ram_efficient_loading=True)
 DDP = LaunchEnv(rank=1, local_rank=1, world_size=2)
@@ -104,11 +106,13 @@ class _Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize("launch,expected", [(FSDP1, {"": "cpu"}), (FSDP2, {"": "cpu"}), (DDP, None)],
-                         ids=["fsdp1", "fsdp2", "ddp"])
-def test_load_model_asks_from_pretrained_for_the_decided_placement(monkeypatch, tiny, launch, expected):
+@pytest.mark.parametrize("launch,expected,threads", [
+    (FSDP1_PER_RANK, {"": "cpu"}, 8), (FSDP1_RANK0, {"": "cpu"}, 16), (FSDP2, {"": "cpu"}, 8), (DDP, None, None)],
+    ids=["fsdp1-every-rank-loads", "fsdp1-rank0-loads-once", "fsdp2", "ddp"])
+def test_load_model_asks_from_pretrained_for_the_decided_placement(monkeypatch, tiny, launch, expected, threads):
     """What `from_pretrained` is asked to do for a CUDA launch (simulated): the CPU under FSDP, with this rank's
-    share of the machine's CPUs for quantizing; the quantizer's default (no device_map) under DDP."""
+    share of the machine's CPUs for quantizing (all of them for the only rank that loads: FSDP1 with
+    cpu_ram_efficient_loading); the quantizer's default (no device_map) under DDP."""
     from transformers import AutoModelForCausalLM
 
     _simulate_cuda(monkeypatch)
@@ -126,8 +130,28 @@ def test_load_model_asks_from_pretrained_for_the_decided_placement(monkeypatch, 
         model_module.load_model(qlora_args(str(tiny.model_dir)), training_args, None, launch)
     assert seen.get("device_map") == expected
     assert seen["quantization_config"].load_in_4bit
-    assert seen["threads"] == (max(before, 8) if expected else before)  # 16 CPUs / 2 ranks on the machine
+    assert seen["threads"] == (max(before, threads) if threads else before)  # of 16 CPUs, 2 ranks on the machine
     assert torch.get_num_threads() == before  # put back, even when loading fails
+
+
+def test_the_ranks_that_receive_the_base_never_read_it(monkeypatch, tiny):
+    """FSDP1 with cpu_ram_efficient_loading, rank 1: no from_pretrained; the 4-bit layers built on meta and handed
+    to share_quantization_state to receive rank 0's state on this rank's GPU (CUDA simulated: cuda:3)."""
+    from transformers import AutoModelForCausalLM
+
+    _simulate_cuda(monkeypatch)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("read the weights"))
+    received = []
+    monkeypatch.setattr(model_module, "share_quantization_state",
+                        lambda model, launch, device: received.append((model, device)))
+    training_args = type("T", (), {"trust_remote_code": False})()
+    tokenizer = type("Tok", (), {"__len__": lambda self: 0})()
+    model = model_module.load_model(qlora_args(str(tiny.model_dir)), training_args, tokenizer, FSDP1)
+    ((shared, device),) = received
+    assert shared is model and device == torch.device("cuda", 3)
+    linear4bit = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    assert len(linear4bit) == 14 and all(m.weight.device.type == "meta" for m in linear4bit)
+    assert model.is_loaded_in_4bit and model.hf_quantizer is not None  # what PEFT and TRL look for
 
 
 def test_quantization_threads_share_the_machine_between_its_ranks():
@@ -135,6 +159,7 @@ def test_quantization_threads_share_the_machine_between_its_ranks():
     assert quantization_threads(LaunchEnv(world_size=16, local_world_size=8), 64, 1) == 8  # per machine
     assert quantization_threads(LaunchEnv(world_size=2), 2, 1) == 1  # CI: 2 CPUs, 2 ranks
     assert quantization_threads(LaunchEnv(), 16, 24) == 24  # never fewer than torch already uses
+    assert quantization_threads(LaunchEnv(world_size=8, local_world_size=8), 64, 1, sole_loader=True) == 64
 
 
 @pytest.fixture(scope="module")
