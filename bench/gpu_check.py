@@ -13,6 +13,8 @@ or timeout is a row in the table, and the next step runs. Steps:
     qlora-quantizer         qlora with transformers' own placement of the 4-bit base (no device_map: upstream's path;
                             bench/train_with_quantizer_placement.py): its "GPU at load" column is the whole base
     qlora-1gpu              bash run_peft.sh: one process, no launcher, uint8 storage (upstream's single-GPU default)
+    qlora-fsdp1-every/-once the guide's FSDP1 QLoRA config on 2 GPUs, every rank loading its own 4-bit copy vs rank 0
+                            alone (cpu_ram_efficient_loading): load s and host RAM per rank side by side (2 GPUs only)
     gptq                    run_peft_fsdp_gptq.sh (FSDP1) on the tiny model quantized with GPTQ on this machine, if
                             optimum + gptqmodel are installed (bench/wheels/gptq)
     upstream                upstream's examples/sft/train.py on the lora flags, if UPSTREAM_SFT_DIR (default
@@ -22,7 +24,8 @@ One table: tokens/s (mean after the first logging interval), MFU, peak GPU memor
 plan's prediction (sft_recipe.plan, same flags), peak allocated and peak reserved each beside the plan's figure of
 that kind (plan_vs_measured.csv beside the table: the rows the published table gains from a GPU run), peak GPU
 memory from process start to the end of loading and to the end of wrapping (run_record.json) beside the plan's load
-phase, peak after the final save, its seconds, the adapter check.
+phase, seconds to load and quantize a 4-bit base (rank 0's log) and host RAM per rank at the end of loading, peak
+after the final save, its seconds, the adapter check.
 GPU_CHECK_SMOKE=1: the same steps on the tiny model in fp32 on CPU, 2 steps each (tests/test_gpu_check.py); the
 offload steps are then refused up front (offload needs a GPU), which is what the smoke expects.
 """
@@ -148,6 +151,7 @@ def steps(model: Path, data: Path) -> list[dict]:
     single += ["--push_to_hub", "False"] + qlora_flags("uint8")
     result.append(dict(name="qlora-1gpu", cmd=["bash", "run_peft.sh", *single], plan=single, out=out / "qlora-1gpu",
                        env={"PYTHON": sys.executable}))
+    result += fsdp1_load_steps(model, data, out, storage)
     result.append(gptq_step(model, out))
     upstream = Path(os.environ.get("UPSTREAM_SFT_DIR", REPO / "bench" / "upstream"))
     if (upstream / "train.py").is_file():
@@ -160,6 +164,30 @@ def steps(model: Path, data: Path) -> list[dict]:
         result.append(dict(name="upstream", skip=f"no upstream train.py in {upstream} (set UPSTREAM_SFT_DIR to a "
                                                  "checkout of peft's examples/sft to compare side by side)"))
     return result
+
+
+def fsdp1_load_steps(model: Path, data: Path, out: Path, storage: str) -> list[dict]:
+    """The guide's FSDP1 QLoRA config on 2 GPUs, every rank loading its own 4-bit copy vs rank 0 alone
+    (cpu_ram_efficient_loading): load seconds, host RAM per rank at load, GPU peak through wrapping side by side.
+    Two ranks need two GPUs (NCCL puts one rank on a GPU): skipped with a note on one; tests/e2e/test_quantized_once.py
+    runs both on CPU ranks."""
+    import torch
+
+    rows = []
+    for label, extra in (("qlora-fsdp1-every", ["--fsdp_cpu_ram_efficient_loading", "false",
+                                                "--fsdp_sync_module_states", "false"]),
+                         ("qlora-fsdp1-once", [])):
+        if SMOKE or torch.cuda.device_count() < 2:
+            rows.append(dict(name=label, skip=f"needs 2 GPUs ({torch.cuda.device_count()} visible); "
+                                              "tests/e2e/test_quantized_once.py runs it on CPU ranks"))
+            continue
+        config = ["--config_file", "configs/fsdp_config_qlora.yaml", "--num_processes", "2",
+                  "--fsdp_offload_params", "false", *extra]
+        flags = common_flags(model, data, out / label) + qlora_flags(storage)
+        rows.append(dict(name=label, cmd=[sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch",
+                                          *config, "train.py", *flags],
+                         plan=[*config[:4], "--fsdp_offload_params", "false", *flags], out=out / label))
+    return rows
 
 
 def gptq_step(model: Path, out: Path) -> dict:
@@ -226,6 +254,8 @@ def run_step(step: dict, deadline: float) -> dict:
         output, code = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
     log.write_text(output)
     row["seconds"] = round(time.time() - start, 1)
+    if loaded := re.search(r"quantized base loaded on the CPU for FSDP in ([0-9.]+) s", output):
+        row["load_seconds"] = float(loaded.group(1))  # from_pretrained + quantization, as rank 0 logged it
     # A configuration refusal exits 2 in one process; under the launcher every rank's 2 becomes the launcher's 1.
     refused = "configuration problem(s):" in output
     row["status"] = "ok" if code == 0 else ("refused" if refused else f"failed ({code})")
@@ -257,7 +287,9 @@ def read_results(out: Path) -> dict:
             "peak_reserved_gib": memory.get("peak_gpu_reserved_gib"),
             # from process start: to the end of loading (+ LoRA layers), and to the end of wrapping
             "load_gpu_gib": max(memory.get("gpu_peak_gib_after_load_per_rank") or [None], key=lambda x: x or 0),
-            "wrap_gpu_gib": max(memory.get("gpu_peak_gib_after_wrap_per_rank") or [None], key=lambda x: x or 0)}
+            "wrap_gpu_gib": max(memory.get("gpu_peak_gib_after_wrap_per_rank") or [None], key=lambda x: x or 0),
+            # host RAM per rank at the end of loading: anonymous RSS (the 4-bit copies live there until wrapping)
+            "host_load_mib_per_rank": memory.get("rss_anon_after_load_mib_per_rank")}
 
 
 def fmt(value, pattern="{:.1f}") -> str:
@@ -274,9 +306,8 @@ def versus(row: dict, measured: str, planned: str) -> str:
 
 def render(rows: list[dict], header: str) -> str:
     lines = [header, "", "| step | status | tokens/s | MFU | peak GiB (train) | plan GiB | allocated / plan | "
-             "reserved / plan | GPU GiB at load | through wrap | plan load | peak GiB after save | save s | "
-             "adapter check | s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "reserved / plan | GPU GiB at load | through wrap | plan load | load s | host MiB at load per rank | "
+             "peak GiB after save | save s | adapter check | s |", "|---" * 17 + "|"]
     for r in rows:
         lines.append(f"| {r['step']} | {r['status']} | {fmt(r.get('tokens_per_second'), '{:.0f}')} | "
                      f"{fmt(r.get('mfu'), '{:.1%}')} | {fmt(r.get('peak_train_gib'), '{:.2f}')} | "
@@ -284,6 +315,8 @@ def render(rows: list[dict], header: str) -> str:
                      f"{versus(r, 'peak_reserved_gib', 'plan_reserved_gib')} | "
                      f"{fmt(r.get('load_gpu_gib'), '{:.2f}')} | "
                      f"{fmt(r.get('wrap_gpu_gib'), '{:.2f}')} | {fmt(r.get('plan_load_gib'), '{:.2f}')} | "
+                     f"{fmt(r.get('load_seconds'))} | "
+                     f"{' / '.join(f'{x:.0f}' for x in r.get('host_load_mib_per_rank') or []) or '-'} | "
                      f"{fmt(r.get('peak_after_save_gib'), '{:.2f}')} | "
                      f"{fmt(r.get('save_seconds'), '{:.2f}')} | {r.get('adapter_check', '-')} | "
                      f"{fmt(r.get('seconds'))} |")

@@ -20,7 +20,8 @@ def test_gpu_check_smoke_prints_one_row_per_step(tmp_path):
     assert result.returncode == 0, result.output[-5000:]
     rows = {r["step"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())}
     assert list(rows) == ["lora", "lora+offload", "qlora", "qlora+offload", "lora-fp32base", "lora+actoffload",
-                          "lora-diverge", "qlora-quantizer", "qlora-1gpu", "gptq", "upstream"]
+                          "lora-diverge", "qlora-quantizer", "qlora-1gpu", "qlora-fsdp1-every", "qlora-fsdp1-once",
+                          "gptq", "upstream"]
     assert rows["lora-fp32base"]["status"] == rows["lora+actoffload"]["status"] == "skipped"  # GPU-only contrasts
     assert rows["lora-diverge"]["status"] == "skipped"  # its CPU path is tests/e2e/test_divergence_and_ctrl_c.py
     for name in ("lora", "qlora", "qlora-quantizer", "qlora-1gpu"):
@@ -33,10 +34,14 @@ def test_gpu_check_smoke_prints_one_row_per_step(tmp_path):
     assert rows["upstream"]["status"] == "skipped" and "UPSTREAM_SFT_DIR" in rows["upstream"]["note"]
     # GPTQ's libraries live in .venv/gptq-site, off this run's path (tests/test_gptq.py runs that path on CPU)
     assert rows["gptq"]["status"] == "skipped" and "not installed" in rows["gptq"]["note"]
-    # The load columns come from run_record.json's GPU peaks: none on a CPU (the GPU run fills them).
+    # The load columns come from run_record.json's GPU peaks: none on a CPU (the GPU run fills them); the load's
+    # seconds and host RAM per rank are measured on CPU too.
     assert rows["qlora"]["load_gpu_gib"] is None and rows["qlora"]["wrap_gpu_gib"] is None
+    assert rows["qlora"]["load_seconds"] > 0 and len(rows["qlora"]["host_load_mib_per_rank"]) == 1
+    for name in ("qlora-fsdp1-every", "qlora-fsdp1-once"):  # two ranks need two GPUs
+        assert rows[name]["status"] == "skipped" and "tests/e2e/test_quantized_once.py" in rows[name]["note"]
     table = (tmp_path / "gpu_check.md").read_text()
-    assert "| GPU GiB at load | through wrap | plan load |" in table
+    assert "| GPU GiB at load | through wrap | plan load | load s | host MiB at load per rank |" in table
     # allocated and reserved beside the plan's figure of each kind (filled where torch measures them: on the GPU)
     assert "| allocated / plan | reserved / plan |" in table
     assert rows["lora"]["plan_allocated_gib"] <= rows["lora"]["plan_reserved_gib"] <= rows["lora"]["plan_gib"]

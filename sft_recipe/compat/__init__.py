@@ -100,7 +100,8 @@ WORKAROUNDS: tuple[Workaround, ...] = (
                "the gemma3-multimodal cell of tests/e2e/test_families.py saves the resized embedding rows without "
                "it"),
     Workaround("allow_fsdp1_module_sync_on_cpu", "torch", ">=2.0", "2.13.0",
-               "test-only (a test worker installs it, never a user's run): tests/unit/test_cpu_module_sync.py "
+               "test-only (bench/train_syncing_module_states_on_cpu.py installs it, never a user's run): "
+               "tests/unit/test_cpu_module_sync.py "
                "finds torch and accelerate no longer refuse FSDP1 sync_module_states on CPU"),
     Workaround("quantized_base_device_map", "transformers", ">=5.0", "5.24.0",
                "tests/unit/test_quantized_placement.py::test_transformers_still_loads_a_quantized_base_onto_the_gpu "

@@ -1,7 +1,8 @@
 """Test-only: FSDP1's `sync_module_states` on a CPU machine, so what it does on GPUs can run in CPU tests.
 
-Never installed in a user's run (train.py and compat.install do not call it; a test worker does, before it runs
-train.py). On GPUs the same code paths run unpatched.
+Never installed in a user's run (train.py and compat.install do not call it;
+bench/train_syncing_module_states_on_cpu.py, which tests and benches launch, does before it runs train.py). On GPUs
+the same code paths run unpatched.
 
 What stops it on CPU (torch 2.13, accelerate 1.15):
 - accelerate's `FullyShardedDataParallelPlugin.__post_init__` builds the `param_init_fn` for `sync_module_states`

@@ -168,8 +168,10 @@ def host_ram_rows(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) 
                     "quantization state, on their GPU (FSDP1 sends the packed weights at wrapping)")
     elif w.quant:
         load = n * full_loaded
+        why = ("accelerate's FSDP2 preparation broadcasts no 4-bit weights from rank 0" if d.fsdp_version == 2 else
+               "FSDP1 loads it once only with cpu_ram_efficient_loading")
         lformula = (f"{n} cop{'y' if n == 1 else 'ies'} of the quantized base: every rank quantizes its own on the "
-                    "CPU (accelerate broadcasts neither 4-bit weights nor quantization state from rank 0)")
+                    f"CPU ({why})")
     elif d.kind == "fsdp" and d.cpu_ram_efficient_loading:
         load = full_loaded
         lformula = "one copy of the weights as loaded, on local rank 0; 0 on the others (cpu_ram_efficient_loading)"

@@ -2,7 +2,7 @@
 4-bit base once: rank 0 reads and quantizes it, the other ranks build the same layers without weights and receive
 rank 0's quantization state; FSDP1's module sync fills their packed weights as it wraps
 (sft_recipe/train/quantized_from_rank0.py). Through the real launcher on CPU ranks: torch syncs module states only
-from GPU tensors, so these runs go through tests/e2e/train_syncing_module_states_on_cpu.py, train.py with the
+from GPU tensors, so these runs go through bench/train_syncing_module_states_on_cpu.py, train.py with the
 test-only compat relaxation; everything else is the run a GPU machine makes.
 
 Shown here, against every rank loading its own copy (configs/cpu/fsdp_config.yaml, train.py as users run it):
@@ -14,12 +14,11 @@ Shown here, against every rank loading its own copy (configs/cpu/fsdp_config.yam
 from __future__ import annotations
 
 import pytest
-import yaml
 from safetensors.torch import load_file
 
-from tests.helpers import RELATIVE_TOLERANCE, REPO, launch_env, launch_script, launch_train
+from tests.helpers import RELATIVE_TOLERANCE, launch_env, launch_script, launch_train
 
-WORKER = "tests/e2e/train_syncing_module_states_on_cpu.py"
+WORKER = "bench/train_syncing_module_states_on_cpu.py"
 QLORA = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.0",
          "--lora_target_modules", "all-linear", "--use_4bit_quantization", "True", "--use_nested_quant", "True",
          "--bnb_4bit_quant_type", "nf4", "--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16", "True",
@@ -32,30 +31,25 @@ FAMILIES = ["llama", "qwen2", "qwen3-moe"]  # the demo, tied embeddings, fused M
 PLAN_TOLERANCE = 0.05  # as tests/e2e/test_quantized_load.py: FSDP1's flat-parameter padding after wrapping
 
 
-def _sync_config(folder, processes: int) -> str:
-    """configs/cpu/fsdp_config.yaml with the guide's loading settings: efficient loading and module sync on."""
-    config = yaml.safe_load((REPO / "configs" / "cpu" / "fsdp_config.yaml").read_text())
-    config["fsdp_config"].update(fsdp_cpu_ram_efficient_loading=True, fsdp_sync_module_states=True)
-    config["num_processes"] = processes
-    path = folder / f"fsdp1_sync_{processes}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
+# configs/cpu/fsdp_config.yaml with the guide's loading settings, as launcher flags override the YAML's
+ONCE = ("--fsdp_cpu_ram_efficient_loading", "true", "--fsdp_sync_module_states", "true")
 
 
-def _once(config: str, output_dir, model_flags: list[str], extra: tuple[str, ...] = ()):
-    return launch_script(config, WORKER, ["--output_dir", str(output_dir), *model_flags, *TRAIN, *extra],
-                         output_dir, {**launch_env(), "MALLOC_MMAP_THRESHOLD_": "65536"})
+def _once(output_dir, model_flags: list[str], processes: int = 2, extra: tuple[str, ...] = ()):
+    return launch_script("cpu/fsdp_config.yaml", WORKER, ["--output_dir", str(output_dir), *model_flags, *TRAIN,
+                                                          *extra], output_dir,
+                         {**launch_env(), "MALLOC_MMAP_THRESHOLD_": "65536"},
+                         launcher_args=(*ONCE, "--num_processes", str(processes)))
 
 
 @pytest.fixture(scope="module")
 def runs(tiny, family_model, tmp_path_factory):
     """family -> (loaded once, loaded by every rank), both trained the same way on 2 CPU ranks."""
-    config = _sync_config(tmp_path_factory.mktemp("configs"), 2)
     out = {}
     for family in FAMILIES:
         path = tiny.model_dir if family == "llama" else family_model(family)
         model = ["--model_name_or_path", str(path), "--dataset_name", str(tiny.jsonl_dir)]
-        once = _once(config, tmp_path_factory.mktemp(f"{family}-once"), model)
+        once = _once(tmp_path_factory.mktemp(f"{family}-once"), model)
         every = launch_train("cpu/fsdp_config.yaml", tmp_path_factory.mktemp(f"{family}-every"), [*model, *TRAIN])
         for name, result in (("once", once), ("every rank", every)):
             assert result.returncode == 0, f"{family} {name}:\n{result.output[-4000:]}"
@@ -106,9 +100,8 @@ def test_on_4_ranks_rank_0_holds_the_one_copy_and_the_others_only_its_quantizati
     from sft_recipe.tiny import build_bench_model
 
     bench_model = build_bench_model(tmp_path / "bench", tiny.root, hidden_size=1024, num_hidden_layers=4)
-    config = _sync_config(tmp_path, 4)
     model = ["--model_name_or_path", str(bench_model), "--dataset_name", str(tiny.jsonl_dir)]
-    result = _once(config, tmp_path / "out", model, ("--max_steps", "1"))
+    result = _once(tmp_path / "out", model, processes=4, extra=("--max_steps", "1"))
     assert result.returncode == 0, result.output[-4000:]
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # the plan parses --bf16 True as the CPU runs do
     planned = _planned_mib(bench_model, 4)

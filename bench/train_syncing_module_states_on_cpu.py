@@ -1,8 +1,8 @@
 """train.py with FSDP1's sync_module_states allowed on the CPU (compat.allow_fsdp1_module_sync_on_cpu, test-only):
 what FSDP1 with `fsdp_cpu_ram_efficient_loading: true` does on GPUs, run in CPU tests through the real launcher.
-Launched by tests, never by hand in normal use:
+For side-by-side runs only (tests/e2e/test_quantized_once.py, bench/quantized_load.py), never in normal use:
     ACCELERATE_USE_CPU=true accelerate launch --config_file <an FSDP1 CPU config with sync and efficient loading on> \
-        tests/e2e/train_syncing_module_states_on_cpu.py [train.py flags]
+        bench/train_syncing_module_states_on_cpu.py [train.py flags]
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import runpy
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sft_recipe.compat import allow_fsdp1_module_sync_on_cpu  # noqa: E402  (after the path)
