@@ -164,6 +164,7 @@ def part_ranks(sizes, rank_counts=(2, 4)) -> list[str]:
 
 def part_planned() -> list[str]:
     from sft_recipe.plan import GIB, parse_train_flags, plan_memory
+    from sft_recipe.plan.gpu import DEFAULT_CUDA_CONTEXT_GIB
     from sft_recipe.plan.guide import GUIDE_RUNS, recipe_flags
     from sft_recipe.preflight.load_checks import quantized_base_bytes
 
@@ -182,7 +183,8 @@ def part_planned() -> list[str]:
         "FSDP1, upstream's path": (fsdp, "upstream", "none: quantizer's, each rank's GPU"),
     }
     lines = ["", f"Planned: the guide's Llama-2-70B QLoRA (NF4, double quant, bf16 storage), 2 ranks, {GPU_GIB:g} GiB "
-             "GPUs, CPU offload where FSDP (GiB; quantization at 8 threads per rank):",
+             "GPUs, CPU offload where FSDP (GiB; CPU quantization at 8 threads per rank quantizing, all 16 for "
+             "rank 0 alone):",
              "| engine | device_map asked (CUDA launch) | GPU at load | GPU through wrap | host RAM at load, per "
              "machine (2 ranks / 8 ranks) | CPU quantization | verdict |", "|---|---|---|---|---|---|---|"]
     for name, (config, path, asked) in engines.items():
@@ -192,11 +194,12 @@ def part_planned() -> list[str]:
         verdict = "fits" if plan.fits else f"does not fit at {plan.fails_at}"
         lines.append(f"| {name} | {asked} | {plan.phases['load'] / GIB:.1f} | {plan.phases['wrap'] / GIB:.1f} | "
                      f"{loading[0]:.1f} / {loading[1]:.1f} | {plan.quantization_seconds / 60:.1f} min | {verdict} |")
-    whole = quantized_base_bytes(model_args, data_args, training_args) / GIB
+    at_load = quantized_base_bytes(model_args, data_args, training_args) / GIB + DEFAULT_CUDA_CONTEXT_GIB
     lines.append(f"| DeepSpeed ZeRO-3 | none allowed (transformers refuses a device_map under ZeRO-3) | "
-                 f"{whole + 1:.1f} | {whole + 1:.1f} | 0 | 0 | refused before loading when it exceeds the GPU |")
-    lines.append("(GPU figures include the plan's 1 GiB CUDA context; ZeRO-3 is not in the planner: its row is the "
-                 "whole quantized base from the planner's formula, as preflight/load_checks.py computes it)")
+                 f"{at_load:.1f} | {at_load:.1f} | 0 | 0 | refused before loading when it exceeds the GPU |")
+    lines.append(f"(GPU figures include the plan's {DEFAULT_CUDA_CONTEXT_GIB:g} GiB CUDA context; 8 ranks: one "
+                 "machine; the ZeRO-3 row is the whole quantized base from the planner's formula, as "
+                 "preflight/load_checks.py computes it)")
     return lines
 
 
