@@ -69,7 +69,12 @@ def test_quantized_load_bench_smoke_measures_the_plans_bytes_and_plans_every_eng
     ratio = float(measured[0].strip("| ").split("|")[-1])
     assert abs(ratio - 1) < 0.02, measured  # live weight bytes after loading = the plan's quantized base
     rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
-    assert '{"": "cpu"}' in rows["FSDP1 (guide's config)"] and rows["FSDP1 (guide's config)"].endswith("| fits |")
+    guide = rows["FSDP1 (guide's config: rank 0 loads once)"]
+    assert '{"": "cpu"} on rank 0' in guide and guide.endswith("| fits |")
+    # host RAM at load per machine, 2 ranks / 8 ranks: one 4-bit copy when rank 0 alone loads, one per rank else
+    once = [float(x) for x in guide.split("|")[5].split("/")]
+    every = [float(x) for x in rows["FSDP2"].split("|")[5].split("/")]
+    assert once[0] == once[1] and every == pytest.approx([2 * once[0], 8 * once[0]], rel=0.01)
     assert rows["FSDP1, upstream's path"].endswith("| does not fit at load |")
     assert "refused before loading" in rows["DeepSpeed ZeRO-3"]
 
