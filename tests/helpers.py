@@ -154,6 +154,28 @@ QLORA_FLAGS = [
     "--bnb_4bit_compute_dtype", "float32",
 ]
 
+# A short QLoRA run with the guide's 4-bit settings, small enough for 4 CPU ranks (tests/e2e/test_quantized_load.py
+# and test_quantized_once.py): fp32 compute (bf16 matmuls are emulated on this CPU, ~20x slower), bf16 storage.
+SMALL_QLORA_FLAGS = [
+    "--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.0",
+    "--lora_target_modules", "all-linear", "--use_4bit_quantization", "True", "--use_nested_quant", "True",
+    "--bnb_4bit_quant_type", "nf4", "--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16", "True",
+    "--bnb_4bit_compute_dtype", "float32", "--chat_template_format", "none", "--max_seq_len", "32",
+]
+SMALL_QLORA_TRAIN_FLAGS = [
+    *SMALL_QLORA_FLAGS, "--max_steps", "3", "--per_device_train_batch_size", "1", "--logging_steps", "1",
+    "--learning_rate", "1e-2", "--packing", "True", "--use_reentrant", "True", "--report_to", "none",
+    "--save_strategy", "no", "--eval_strategy", "no", "--seed", "5",
+]
+
+
+def assert_losses_match(losses: list[float], reference: list[float], steps: int,
+                        tolerance: float = RELATIVE_TOLERANCE) -> None:
+    """Both runs logged `steps` losses, each within `tolerance` (relative) of the reference's at that step."""
+    assert len(losses) == len(reference) == steps, (losses, reference)
+    for step, (a, b) in enumerate(zip(losses, reference), start=1):
+        assert abs(a - b) <= tolerance * abs(b), f"step {step}: {a} vs {b}"
+
 
 def wait_for_training(log, steps: int, timeout_s: float = 180) -> None:
     """Until the run has logged `steps` losses (so the signal lands mid-training)."""

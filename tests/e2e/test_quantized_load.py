@@ -18,16 +18,17 @@ import sys
 import pytest
 from safetensors import safe_open
 
-from tests.helpers import RELATIVE_TOLERANCE, launch_env, launch_script, launch_train, run_command
+from tests.helpers import (
+    SMALL_QLORA_FLAGS,
+    SMALL_QLORA_TRAIN_FLAGS,
+    assert_losses_match,
+    launch_env,
+    launch_script,
+    launch_train,
+    run_command,
+)
 
-QLORA = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.0",
-         "--lora_target_modules", "all-linear", "--use_4bit_quantization", "True", "--use_nested_quant", "True",
-         "--bnb_4bit_quant_type", "nf4", "--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16", "True",
-         "--bnb_4bit_compute_dtype", "float32",  # fp32 compute: bf16 matmuls are emulated on this CPU (~20x slower)
-         "--chat_template_format", "none", "--max_seq_len", "32"]
-TRAIN = [*QLORA, "--max_steps", "3", "--per_device_train_batch_size", "1", "--logging_steps", "1",
-         "--learning_rate", "1e-2", "--packing", "True", "--use_reentrant", "True", "--report_to", "none",
-         "--save_strategy", "no", "--eval_strategy", "no", "--seed", "5"]
+QLORA, TRAIN = SMALL_QLORA_FLAGS, SMALL_QLORA_TRAIN_FLAGS
 ENGINES = {"fsdp1": "cpu/fsdp_config.yaml", "fsdp2": "cpu/fsdp2_config.yaml"}
 PLAN_TOLERANCE = 0.05  # measured: after load 0.05%, after wrap 0% (FSDP2) and 2.3% (FSDP1: flat-parameter padding)
 
@@ -77,9 +78,7 @@ def test_fsdp_qlora_trains_as_before_and_saves_the_one_process_adapter_layout(ru
     assert "quantized base loaded on the CPU" not in before.output
     assert ours.record["distribution"]["distributed_type"] == "FSDP"
     losses, reference = ours.record["training"]["losses"], before.record["training"]["losses"]
-    assert len(losses) == len(reference) == 3
-    for step, (a, b) in enumerate(zip(losses, reference), start=1):
-        assert abs(a - b) <= RELATIVE_TOLERANCE * abs(b), f"step {step}: {a} vs {b}"
+    assert_losses_match(losses, reference, steps=3)
     assert _adapter_shapes(ours) == _adapter_shapes(before) == _adapter_shapes(runs["one-process"])
     assert ours.record["weights"]["frozen_changed"] is False and ours.record["weights"]["trainable_changed"]
 

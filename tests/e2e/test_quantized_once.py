@@ -16,17 +16,17 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers import RELATIVE_TOLERANCE, launch_env, launch_script, launch_train
+from tests.helpers import (
+    SMALL_QLORA_FLAGS,
+    SMALL_QLORA_TRAIN_FLAGS,
+    assert_losses_match,
+    launch_env,
+    launch_script,
+    launch_train,
+)
 
 WORKER = "bench/train_syncing_module_states_on_cpu.py"
-QLORA = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.0",
-         "--lora_target_modules", "all-linear", "--use_4bit_quantization", "True", "--use_nested_quant", "True",
-         "--bnb_4bit_quant_type", "nf4", "--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16", "True",
-         "--bnb_4bit_compute_dtype", "float32",  # fp32 compute: bf16 matmuls are emulated on this CPU (~20x slower)
-         "--chat_template_format", "none", "--max_seq_len", "32"]
-TRAIN = [*QLORA, "--max_steps", "3", "--per_device_train_batch_size", "1", "--logging_steps", "1",
-         "--learning_rate", "1e-2", "--packing", "True", "--use_reentrant", "True", "--report_to", "none",
-         "--save_strategy", "no", "--eval_strategy", "no", "--seed", "5"]
+QLORA, TRAIN = SMALL_QLORA_FLAGS, SMALL_QLORA_TRAIN_FLAGS
 FAMILIES = ["llama", "qwen2", "qwen3-moe"]  # the demo, tied embeddings, fused MoE experts
 PLAN_TOLERANCE = 0.05  # as tests/e2e/test_quantized_load.py: FSDP1's flat-parameter padding after wrapping
 
@@ -66,9 +66,7 @@ def test_loading_once_trains_and_saves_what_every_rank_loading_did(runs, family)
     assert "packed weights on 1 of them, the others' filled from rank 0 at wrapping" in once.output  # identity
     assert "Each of the 2 ranks on this machine holds its own copy" in every.output
     losses, reference = once.record["training"]["losses"], every.record["training"]["losses"]
-    assert len(losses) == len(reference) == 3
-    for step, (a, b) in enumerate(zip(losses, reference), start=1):
-        assert abs(a - b) <= RELATIVE_TOLERANCE * abs(b), f"step {step}: {a} vs {b}"
+    assert_losses_match(losses, reference, steps=3)
     ours = load_file(str(once.output_dir / "adapter_model.safetensors"))
     theirs = load_file(str(every.output_dir / "adapter_model.safetensors"))
     assert ours.keys() == theirs.keys() and ours
