@@ -21,7 +21,8 @@ def quantized_base_device_map(model_args, launch) -> dict[str, str] | None:
     `hf_device_map`, so accelerate's "loaded on a different device" check does not apply; FSDP then moves each
     wrapped unit to the GPU as it shards it (FSDP1 `_move_module_to_device`, FSDP2 `fully_shard`), and
     `Params4bit.to` moves the quantization state with the packed bytes without quantizing again. Cost: CPU
-    quantization time (planned: `sft_recipe.plan`), and one 4-bit copy per rank in host RAM until it is sharded.
+    quantization time (planned: `sft_recipe.plan`), and one 4-bit copy per rank in host RAM until it is sharded
+    (under FSDP1 with cpu_ram_efficient_loading only rank 0 loads it: sft_recipe/train/quantized_from_rank0.py).
     One process and DDP keep the quantizer's map (this rank's GPU): there the whole model trains on each GPU anyway.
     When it can go: `tests/unit/test_quantized_placement.py::
     test_transformers_still_loads_a_quantized_base_onto_the_gpu` fails (the quantizer no longer maps a quantized base

@@ -9,7 +9,8 @@ compat.quantized_base_device_map) and writes <out_dir>/rank<N>.json: the device 
 every packed 4-bit weight and every tensor of its quantization state (absmax, code, nested state), then what the
 run-time identity check (sft_recipe.train.quantized_identity) said, as train.py calls it. `--perturb_rank N`: rank N
 changes one absmax value first, as a machine that quantizes differently would (the check must stop every rank).
-Without a launcher (one process) it writes <out_dir>/one-process.json. It asserts nothing itself.
+Without a launcher (one process) it writes <out_dir>/one-process.json. It asserts nothing itself; it ends as train.py
+does (compat.exit_skipping_teardown: gloo can abort a finished rank at interpreter teardown, about once in 40).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def _take(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
     return argv[i + 1], argv[:i] + argv[i + 2:]
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> None:
     out, argv = _take(argv, "--out_dir")
     out_dir = Path(out)
     perturb, argv = _take(argv, "--perturb_rank")
@@ -91,8 +92,13 @@ def main(argv: list[str]) -> int:
         "device_map": compat.quantized_base_device_map(model_args, launch),
         "devices": sorted({str(p.device) for p in model.parameters()}),
         "fingerprints": quantized_fingerprints(model), "identity": identity}, indent=1))
-    return 2 if "problems" in identity else 0
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # as train.py: gloo's threads can abort a finished rank at interpreter teardown
+        dist.barrier()  # every rank has written its file
+        dist.destroy_process_group()
+    compat.exit_skipping_teardown(2 if "problems" in identity else 0, launch.world_size)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    main(sys.argv[1:])
