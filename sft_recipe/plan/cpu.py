@@ -63,10 +63,10 @@ def estimate_cpu(shape: ModelShape, w: Workload, d: Distribution, rank: int) -> 
     ckpt_dtype_bytes = shape.checkpoint_bytes / max(1, shape.total_params)
     same_dtype = abs(ckpt_dtype_bytes - w.load_bytes) < 0.05 * w.load_bytes
     loaded_copy = (shardable + replicated) if w.quant else (0.0 if same_dtype else shardable)
-    if w.quant == "4bit" and not receives:  # embeddings/head stay views of the mapping
-        loaded_copy -= (shape.total_params - shape.quantizable_params) * w.load_bytes if same_dtype else 0.0
     if receives:
         loaded_copy = replicated
+    elif w.quant == "4bit":  # embeddings/head stay views of the mapping
+        loaded_copy -= (shape.total_params - shape.quantizable_params) * w.load_bytes if same_dtype else 0.0
     layer_q = sum(lin.in_features * lin.out_features for lin in shape.layer_linears)
     unit = (layer_q / 2 + (shape.layer_params - layer_q) * w.load_bytes if w.quant == "4bit"
             else shape.layer_params * w.load_bytes)  # one unsharded decoder layer as stored

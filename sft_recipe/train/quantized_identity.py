@@ -1,13 +1,14 @@
 """Every rank trains on the same 4-bit base, checked at run time.
 
 Under FSDP2, and FSDP1 without cpu_ram_efficient_loading, each rank quantizes the base itself
-(sft_recipe/train/model.py), so nothing but identical inputs and identical arithmetic makes the ranks agree. A machine with another bitsandbytes or torch build, or another CPU instruction set behind the CPU kernels,
-can quantize the same file to other bytes; FSDP would then shard one rank's packed weights with another's absmax,
-and the averaged gradients would be of no model at all, silently. Before any weight is wrapped, each rank takes an
-exact checksum of its packed weights and of every quantization-state tensor (seconds for a 70B: one pass over its
-~35 GiB) and the ranks compare them; a rank that differs stops every rank with the fix. Where rank 0 alone loaded
-it (sft_recipe/train/quantized_from_rank0.py) the others hold its quantization state and no packed weights yet:
-the state is compared everywhere, packed bytes where a rank holds them."""
+(sft_recipe/train/model.py), so nothing but identical inputs and identical arithmetic makes the ranks agree. A
+machine with another bitsandbytes or torch build, or another CPU instruction set behind the CPU kernels, can quantize
+the same file to other bytes; FSDP would then shard one rank's packed weights with another's absmax, and the
+averaged gradients would be of no model at all, silently. Before any weight is wrapped, each rank takes an exact
+checksum of its packed weights and of every quantization-state tensor (seconds for a 70B: one pass over its ~35 GiB)
+and the ranks compare them; a rank that differs stops every rank with the fix. Where rank 0 alone loaded it
+(sft_recipe/train/quantized_from_rank0.py) the others hold its quantization state and no packed weights yet: the
+state is compared everywhere, packed bytes where a rank holds them."""
 
 from __future__ import annotations
 
