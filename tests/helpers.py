@@ -96,6 +96,35 @@ def process_tree(launcher: subprocess.Popen) -> list:
     return [root, *root.children(recursive=True)]
 
 
+def launch_two_machines(config: str, script: str, args: list[str], log_dir: Path, env: dict | None = None,
+                        launcher_args: tuple[str, ...] = (), timeout_s: float = 300) -> list[str]:
+    """Two "machines" on this computer over loopback: `accelerate launch --config_file configs/<config>
+    --num_machines 2 --machine_rank 0|1 ...` started at once, each with an environment of its own (its own datasets
+    cache: `env` is added to a fresh launch_env()). Returns each machine's log; asserts both exited 0."""
+    port = str(free_port())
+    machines = []
+    for machine_rank in (0, 1):
+        log = open(log_dir / f"machine-{machine_rank}.log", "w+")
+        cmd = [os.path.join(bin_dir(), "accelerate"), "launch", "--config_file", str(REPO / "configs" / config),
+               "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine_rank),
+               "--main_process_ip", "127.0.0.1", "--main_process_port", port, *launcher_args, script, *args]
+        machines.append((subprocess.Popen(cmd, cwd=REPO, env={**launch_env(), **(env or {})}, stdout=log,
+                                          stderr=subprocess.STDOUT), log))
+    try:
+        for proc, _ in machines:
+            proc.wait(timeout=timeout_s)
+    finally:
+        for proc, _ in machines:
+            if proc.poll() is None:
+                proc.kill()
+    logs = []
+    for proc, log in machines:
+        log.seek(0)
+        logs.append(log.read())
+        assert proc.returncode == 0, logs[-1][-4000:]
+    return logs
+
+
 def launch_script(config: str, script: str, args: list[str], output_dir: Path, env: dict | None = None,
                   launcher_args: tuple[str, ...] = ()) -> RunResult:
     """`accelerate launch --config_file configs/<config> [launcher_args] <script> ...` through the real launcher."""

@@ -61,12 +61,14 @@ def make_4bit_layers(model, quantization_config) -> None:
 def layout(model) -> list[tuple[str, tuple, str]]:
     """Every parameter and buffer as (name, shape, dtype), a 4-bit weight by what it stands for (its unquantized
     shape and dtype): what must be equal on every rank before FSDP1 flattens the units."""
+    from bitsandbytes.nn import Params4bit
+
     out = []
     for name, param in model.named_parameters():
         state = getattr(param, "quant_state", None)
         if state is not None:
             out.append((name, tuple(state.shape), f"4bit:{state.dtype}"))
-        elif type(param).__name__ == "Params4bit":
+        elif isinstance(param, Params4bit):  # not quantized yet: a weightless rank's layer, in its unquantized shape
             out.append((name, tuple(param.shape), f"4bit:{param.dtype}"))
         else:
             out.append((name, tuple(param.shape), str(param.dtype)))
@@ -101,11 +103,11 @@ def share_quantization_state(model, launch, device: torch.device) -> str | None:
             f"{'; '.join(first)}. Every rank builds the model from the same config and quantization flags, so the "
             "machines differ (transformers, bitsandbytes or the model folder). Fix: the same packages and model "
             "files on every machine, or fsdp_cpu_ram_efficient_loading: false (each rank then loads its own copy)."])
-    sent = 0
-    for batch in _batches(model if sender else None):
-        message = [batch]
+    sent, batches = 0, _batches(model) if sender else None
+    while True:
+        message = [next(batches) if sender else None]
         dist.broadcast_object_list(message, src=0)
-        if not message[0]:
+        if not message[0]:  # rank 0's last message is empty
             break
         if not sender:
             _install_placeholders(model, message[0], device)
@@ -116,11 +118,8 @@ def share_quantization_state(model, launch, device: torch.device) -> str | None:
 
 
 def _batches(model):
-    """Rank 0: lists of (module name, packed shape, packed dtype, quantization state as bitsandbytes packs it),
-    about BATCH_BYTES each, then an empty list. Other ranks: empty lists (they receive what rank 0 broadcasts)."""
-    if model is None:
-        while True:
-            yield []
+    """Rank 0's messages: lists of (module name, packed shape, packed dtype, quantization state as bitsandbytes
+    packs it), about BATCH_BYTES each, then an empty list."""
     batch, size = [], 0
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)

@@ -23,10 +23,10 @@ from tests.helpers import (
     JOB_ID,
     RELATIVE_TOLERANCE,
     REPO,
-    bin_dir,
     free_port,
     launch_env,
     launch_train,
+    launch_two_machines,
     slurm_env,
     wait_for_training,
     write_shims,
@@ -43,28 +43,8 @@ MULTI_NODE_CPU_CONFIG = "configs/cpu/multi_node_fsdp_config.yaml"
 def test_two_machines_over_loopback_train_what_one_machine_trains(tiny, tmp_path):
     data = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir)]
     out = tmp_path / "two-machines"
-    port = str(free_port())
-    machines = []
-    for machine_rank in (0, 1):
-        log = open(tmp_path / f"machine-{machine_rank}.log", "w+")
-        cmd = [os.path.join(bin_dir(), "accelerate"), "launch", "--config_file", str(REPO / MULTI_NODE_CPU_CONFIG),
-               "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine_rank),
-               "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-               "train.py", "--output_dir", str(out), *data, *FLAGS]
-        machines.append((subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=log, stderr=subprocess.STDOUT),
-                         log))
-    try:
-        for proc, _ in machines:
-            proc.wait(timeout=300)
-    finally:
-        for proc, _ in machines:
-            if proc.poll() is None:
-                proc.kill()
-    logs = []
-    for proc, log in machines:
-        log.seek(0)
-        logs.append(log.read())
-        assert proc.returncode == 0, logs[-1][-4000:]
+    logs = launch_two_machines(MULTI_NODE_CPU_CONFIG.removeprefix("configs/"), "train.py",
+                               ["--output_dir", str(out), *data, *FLAGS], tmp_path)
 
     reference = launch_train("cpu/fsdp_config.yaml", tmp_path / "one-machine", [*data, *FLAGS])
     assert reference.returncode == 0, reference.output[-4000:]

@@ -16,21 +16,18 @@ Shown here, against every rank loading its own copy (configs/cpu/fsdp_config.yam
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 from safetensors.torch import load_file
 
 from tests.helpers import (
-    REPO,
     SMALL_QLORA_FLAGS,
     SMALL_QLORA_TRAIN_FLAGS,
     assert_losses_match,
-    bin_dir,
-    free_port,
     launch_env,
     launch_script,
     launch_train,
+    launch_two_machines,
 )
 
 WORKER = "bench/train_syncing_module_states_on_cpu.py"
@@ -125,29 +122,10 @@ def test_on_4_ranks_rank_0_holds_the_one_copy_and_the_others_only_its_quantizati
 def test_on_two_machines_only_global_rank_0_reads_the_base(runs, tiny, tmp_path):
     """Two "machines" of one rank each, over loopback (configs/cpu/multi_node_fsdp_config.yaml): machine 1's rank
     holds only rank 0's quantization state after loading, and the run trains what one machine's two ranks did."""
-    out, port = tmp_path / "two-machines", str(free_port())
+    out = tmp_path / "two-machines"
     model = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir)]
-    machines = []
-    for machine_rank in (0, 1):
-        log = open(tmp_path / f"machine-{machine_rank}.log", "w+")
-        cmd = [f"{bin_dir()}/accelerate", "launch", "--config_file",
-               str(REPO / "configs" / "cpu" / "multi_node_fsdp_config.yaml"), "--num_machines", "2",
-               "--num_processes", "2", "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1",
-               "--main_process_port", port, *ONCE, WORKER, "--output_dir", str(out), *model, *TRAIN]
-        env = {**launch_env(), "MALLOC_MMAP_THRESHOLD_": "65536"}  # a datasets cache per machine
-        machines.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    try:
-        for proc, _ in machines:
-            proc.wait(timeout=300)
-    finally:
-        for proc, _ in machines:
-            if proc.poll() is None:
-                proc.kill()
-    logs = []
-    for proc, log in machines:
-        log.seek(0)
-        logs.append(log.read())
-        assert proc.returncode == 0, logs[-1][-4000:]
+    logs = launch_two_machines("cpu/multi_node_fsdp_config.yaml", WORKER, ["--output_dir", str(out), *model, *TRAIN],
+                               tmp_path, {"MALLOC_MMAP_THRESHOLD_": "65536"}, launcher_args=ONCE)
     assert "4-bit base loaded once, on rank 0" in logs[0] and "quantized base loaded" not in logs[1]
     record = json.loads((out / "run_record.json").read_text())
     loaded = record["memory"]["weight_mib_after_load_per_rank"]
