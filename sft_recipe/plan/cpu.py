@@ -15,8 +15,9 @@ from sft_recipe.plan.result import MIB, Row
 from sft_recipe.plan.shape import ModelShape
 
 # ---- CPU calibration (peak RSS per rank, Linux glibc malloc, torch 2.13 CPU, 1 thread per rank) ----
-# Process after importing torch + transformers + trl + peft (~480 MiB) and building tokenizer, data and trainer:
-CPU_FIXED_MIB = 530.0
+# Process after importing torch + transformers + trl + peft (~480 MiB) and building tokenizer, data and trainer
+# (the tiny 64 x 2 model under FSDP1 on 2 ranks: 562-579 MiB over three launches, 2026-12-03):
+CPU_FIXED_MIB = 565.0
 # glibc keeps freed activation memory in the heap: the RSS growth of a training step is this many times the saved
 # activations of ALL layers without checkpointing (L*T*c). Fitted on 77M-parameter 1024x8 Llama runs with T = 256 and
 # 1024 tokens (bench/memory_plan.py): without checkpointing 1.9-2.1; with it 1.0 (T=256) to 1.3 (T=1024) -- the
@@ -26,10 +27,14 @@ CPU_HEAP_FACTOR_CHECKPOINTING = 1.2
 # 4-bit runs, relative to the same LoRA run: with checkpointing they grew 0.56x (in-process) to 0.74-0.79x (FSDP2);
 # without it 1.0-1.8x (three launches of one setup: 249, 369 and 439 MiB). Measured averages, not derived.
 CPU_HEAP_FACTOR_4BIT = {True: 0.8, False: 1.4}  # keyed by gradient checkpointing
-# FSDP on gloo: extra heap per rank during a step, in unsharded decoder layers (all-gather buffers, gloo's flat
-# copies, gradient reduce-scatter inputs): 4.7-6.7 layers without checkpointing, 0-1.6 with it (the activation
-# heap absorbs them). FSDP2's ranks differ from each other by up to ~100 MiB from launch to launch, either way.
-CPU_FSDP_STEP_UNITS = {False: 5.5, True: 1.0}  # keyed by gradient checkpointing
+# FSDP on gloo: extra heap per rank during a step: a part that does not grow with the model (the malloc arenas of
+# gloo's and FSDP's threads) plus unsharded decoder layers (all-gather buffers, gloo's flat copies, gradient
+# reduce-scatter inputs). Without checkpointing, fitted on three shapes (2 ranks, T=256; the heap the step leaves
+# above the other rows): hidden 768 x 4 layers 166 MiB, 1024 x 8 185 MiB, 1536 x 4 259 MiB -> 135 MiB + 1.5 layers.
+# With it 0-1.6 layers and no fixed part (the activation heap absorbs them). FSDP2's ranks differ from each other by
+# up to ~100 MiB from launch to launch, either way.
+CPU_FSDP_STEP_FIXED_MIB = {False: 135.0, True: 0.0}  # keyed by gradient checkpointing
+CPU_FSDP_STEP_UNITS = {False: 1.5, True: 1.0}
 
 
 def estimate_cpu(shape: ModelShape, w: Workload, d: Distribution, rank: int) -> tuple[list[Row], dict]:
@@ -47,7 +52,7 @@ def estimate_cpu(shape: ModelShape, w: Workload, d: Distribution, rank: int) -> 
     - step: trainable + gradients + optimizer state, plus the heap the step's activations leave behind: glibc keeps
       freed activation memory, so RSS grows by CPU_HEAP_FACTOR x L*T*c (c: bytes per token per layer, fp32) --
       checkpointing lowers it less than it lowers the live activations (x CPU_HEAP_FACTOR_4BIT for 4-bit runs);
-      plus CPU_FSDP_STEP_UNITS unsharded decoder layers of gloo/FSDP buffers.
+      plus CPU_FSDP_STEP_FIXED_MIB and CPU_FSDP_STEP_UNITS unsharded decoder layers of gloo/FSDP buffers.
     - final save (rank 0): 2 x the adapter's bytes above the train step's memory (the adapter gathered, then
       written); upstream's full gather would add every weight (the `upstream's final save` host row on GPU).
     """
@@ -81,14 +86,15 @@ def estimate_cpu(shape: ModelShape, w: Workload, d: Distribution, rank: int) -> 
     if fsdp:
         shard = (shardable + replicated) / G
         units = CPU_FSDP_STEP_UNITS[w.gradient_checkpointing]
-        fsdp_step = units * unit if G > 1 else 0.0
+        step_fixed_mib = CPU_FSDP_STEP_FIXED_MIB[w.gradient_checkpointing]
+        fsdp_step = step_fixed_mib * MIB + units * unit if G > 1 else 0.0
         rows += [
             Row("checkpoint pages + loaded copies", file_pages + loaded_copy,
                 "mmapped safetensors (+ 4-bit weights), load+wrap phase only"),
             Row("base weights (shard)", shard, f"(P*b)/G, G={G}"),
             Row("trainable + grads + optimizer", train_state / G, "(2*trainable + optimizer)/G"),
             Row("activations (heap after a step)", heap, f"{heap_factor:g} x L*T*c, T={w.tokens}, c={c:,.0f}"),
-            Row("FSDP step buffers", fsdp_step, f"{units:g} x one unsharded layer"),
+            Row("FSDP step buffers", fsdp_step, f"{step_fixed_mib:g} MiB + {units:g} x one unsharded layer"),
         ]
         wrap = fixed + file_pages + loaded_copy + shard + unit
         step = fixed + shard + train_state / G + heap + fsdp_step

@@ -2,7 +2,7 @@
 
 The model is a random Llama whose weights outweigh its activations (hidden 768, 4 layers, ~30M parameters), so the
 prediction is tested on what users size GPUs by. Tolerance: 15% per rank (bench/memory_plan.py shows the spread over
-eight setups; runs of one setup vary by ~5% between launches).
+eight setups; this setup's peak varied 830-941 MiB over seven launches, 2026-12-03: glibc's heap after the steps).
 """
 
 from __future__ import annotations
