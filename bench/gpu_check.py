@@ -10,6 +10,8 @@ or timeout is a row in the table, and the next step runs. Steps:
     lora+actoffload         lora with TRL's --activation_offloading True
     lora-diverge            lora at --learning_rate 1e30: stops at the NaN step (exit 4), its step-3 save cancelled
     qlora / qlora+offload   the same with 4-bit NF4, nested quant, bf16 storage (the guide's QLoRA settings)
+    qlora-cpuquant          qlora with each 4-bit weight quantized on the CPU (bench/train_quantizing_on_cpu.py), as
+                            before the recipe quantized them on the GPU: load s beside qlora's; frozen checksum
     qlora-quantizer         qlora with transformers' own placement of the 4-bit base (no device_map: upstream's path;
                             bench/train_with_quantizer_placement.py): its "GPU at load" column is the whole base
     qlora-1gpu              bash run_peft.sh: one process, no launcher, uint8 storage (upstream's single-GPU default)
@@ -144,6 +146,14 @@ def steps(model: Path, data: Path) -> list[dict]:
                                                              "bench/train_with_quantizer_placement.py", *flags],
                        plan=plan + ["--fsdp_offload_params", "false", *flags, "--load_path", "upstream"],
                        out=out / "qlora-quantizer"))
+    # The same qlora run with each weight quantized on the CPU (as before compat.quantize_each_weight_on): its load
+    # seconds beside the qlora row's (quantized on this GPU a weight at a time), and its frozen-weight checksum.
+    flags = common_flags(model, data, out / "qlora-cpuquant") + qlora_flags(storage)
+    result.append(dict(name="qlora-cpuquant", cmd=launch + ["--fsdp_offload_params", "false",
+                                                            "bench/train_quantizing_on_cpu.py", *flags],
+                       plan=plan + ["--fsdp_offload_params", "false", *flags], out=out / "qlora-cpuquant"))
+    if SMOKE:  # on a CPU machine both rows quantize on the CPU: nothing to compare
+        result[-1] = dict(name="qlora-cpuquant", skip="smoke: a CPU run quantizes on the CPU in the qlora row too")
     # run_peft.sh's own --use_reentrant True stays: that is the path being checked.
     flags = common_flags(model, data, out / "qlora-1gpu")
     at = flags.index("--use_reentrant")
@@ -289,7 +299,22 @@ def read_results(out: Path) -> dict:
             "load_gpu_gib": max(memory.get("gpu_peak_gib_after_load_per_rank") or [None], key=lambda x: x or 0),
             "wrap_gpu_gib": max(memory.get("gpu_peak_gib_after_wrap_per_rank") or [None], key=lambda x: x or 0),
             # host RAM per rank at the end of loading: anonymous RSS (the 4-bit copies live there until wrapping)
-            "host_load_mib_per_rank": memory.get("rss_anon_after_load_mib_per_rank")}
+            "host_load_mib_per_rank": memory.get("rss_anon_after_load_mib_per_rank"),
+            # exact checksum of the frozen (base) weights as loaded: equal across rows that quantized the same bytes
+            "frozen_checksum": (record.get("weights", {}).get("checksums_before") or [None])[0]}
+
+
+def quantization_contrast(rows: list[dict]) -> str | None:
+    """The qlora row (each 4-bit weight quantized on this GPU) beside qlora-cpuquant (on the CPU): load seconds and
+    whether the two quantized the same bytes."""
+    by_name = {r["step"]: r for r in rows}
+    gpu, cpu = by_name.get("qlora", {}), by_name.get("qlora-cpuquant", {})
+    if gpu.get("load_seconds") is None or cpu.get("load_seconds") is None:
+        return None
+    same = gpu.get("frozen_checksum") is not None and gpu.get("frozen_checksum") == cpu.get("frozen_checksum")
+    return (f"4-bit base quantized on the GPU vs on the CPU: load {gpu['load_seconds']:.1f} s vs "
+            f"{cpu['load_seconds']:.1f} s ({cpu['load_seconds'] / max(gpu['load_seconds'], 1e-9):.1f}x faster); "
+            f"packed bytes {'identical' if same else 'DIFFERENT'} (frozen-weight checksums)")
 
 
 def fmt(value, pattern="{:.1f}") -> str:
@@ -350,6 +375,8 @@ def main() -> int:
         rows.append(run_step(step, deadline))
         print(f"  {step['name']}: {rows[-1]['status']} ({time.time() - started:.0f} s so far)", flush=True)
     table = render(rows, header + f"; {time.time() - started:.0f} s in all")
+    if contrast := quantization_contrast(rows):
+        table += f"\n- {contrast}"
     print(table)
     (OUT / "gpu_check.md").write_text(table + "\n")
     (OUT / "gpu_check.json").write_text(json.dumps(rows, indent=2))

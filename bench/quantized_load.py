@@ -1,4 +1,4 @@
-"""What loading a 4-bit base costs on each engine: where it is placed, host RAM per rank, CPU quantization time.
+"""What loading a 4-bit base costs on each engine: where it is placed, host RAM per rank, quantization time.
 
     .venv/bin/python bench/quantized_load.py            # 3 sizes measured here (~1 min), then the 70B table
     .venv/bin/python bench/quantized_load.py --smoke    # one small size (the test suite's run)
@@ -10,10 +10,10 @@ per thread, and live weight bytes after loading (packed weights, the rest in bf1
 plan's formula. The per-thread rate and the bytes-vs-plan ratio must stay flat across sizes for the 70B numbers to
 hold. Part 2, planned (sft_recipe.plan): the guide's Llama-2-70B QLoRA run per engine, on 2 GPUs: the device map
 asked of from_pretrained on a CUDA launch, GPU memory per rank at the end of loading and through wrapping, host RAM
-per machine while loading (2 and 8 ranks) and the CPU quantization time; upstream's path (no device_map) beside
-it. Part 3 (--ranks, instead of part 1), measured: FSDP1 through the real launcher on 2 and 4 CPU ranks at 3
-sizes, every rank loading its own copy vs rank 0 alone (cpu_ram_efficient_loading): host RAM per rank after loading,
-and its slope.
+per machine while loading (2 and 8 ranks) and the quantization time (each weight on the loading rank's GPU; the
+CPU's time beside it); upstream's path (no device_map) beside it. Part 3 (--ranks, instead of part 1), measured:
+FSDP1 through the real launcher on 2 and 4 CPU ranks at 3 sizes, every rank loading its own copy vs rank 0 alone
+(cpu_ram_efficient_loading): host RAM per rank after loading, and its slope.
 """
 
 from __future__ import annotations
@@ -162,8 +162,19 @@ def part_ranks(sizes, rank_counts=(2, 4)) -> list[str]:
     return lines
 
 
+def cpu_quantization_minutes(quantizable_params: int, config: dict) -> float:
+    """What bitsandbytes' CPU backend would take for the rank(s) that quantize the base (a CPU run's path): 8 threads
+    per quantizing rank, all 16 of the 2 ranks' for rank 0 alone (FSDP1 + cpu_ram_efficient_loading)."""
+    from sft_recipe.plan.gpu import DEFAULT_QUANTIZE_THREADS_PER_RANK, QUANTIZE_WEIGHTS_PER_S_PER_THREAD
+
+    fsdp = config.get("fsdp_config", {})
+    once = fsdp.get("fsdp_version", 1) == 1 and fsdp.get("fsdp_cpu_ram_efficient_loading", False)
+    threads = DEFAULT_QUANTIZE_THREADS_PER_RANK * (2 if once else 1)
+    return quantizable_params / (QUANTIZE_WEIGHTS_PER_S_PER_THREAD * threads) / 60
+
+
 def part_planned() -> list[str]:
-    from sft_recipe.plan import GIB, parse_train_flags, plan_memory
+    from sft_recipe.plan import GIB, model_shape, parse_train_flags, plan_memory
     from sft_recipe.plan.gpu import DEFAULT_CUDA_CONTEXT_GIB
     from sft_recipe.plan.guide import GUIDE_RUNS, recipe_flags
     from sft_recipe.preflight.load_checks import quantized_base_bytes
@@ -171,6 +182,7 @@ def part_planned() -> list[str]:
     run = GUIDE_RUNS["qlora-2x24-offload"]
     model_args, data_args, _, training_args = parse_train_flags(recipe_flags(run.recipe), "cuda")
     fsdp = run.accelerate_config
+    quantizable = model_shape(model_args.model_name_or_path).quantizable_params
     engines = {
         "one process (1 GPU)": (None, "recipe", "quantizer's: this GPU"),
         "DDP (2 GPUs)": ({**fsdp, "distributed_type": "MULTI_GPU", "fsdp_config": {}}, "recipe",
@@ -183,17 +195,19 @@ def part_planned() -> list[str]:
         "FSDP1, upstream's path": (fsdp, "upstream", "none: quantizer's, each rank's GPU"),
     }
     lines = ["", f"Planned: the guide's Llama-2-70B QLoRA (NF4, double quant, bf16 storage), 2 ranks, {GPU_GIB:g} GiB "
-             "GPUs, CPU offload where FSDP (GiB; CPU quantization at 8 threads per rank quantizing, all 16 for "
-             "rank 0 alone):",
+             "GPUs, CPU offload where FSDP (GiB; quantization: each weight on the loading rank's GPU, and what the "
+             "CPU would take at 8 threads per rank quantizing, all 16 for rank 0 alone):",
              "| engine | device_map asked (CUDA launch) | GPU at load | GPU through wrap | host RAM at load, per "
-             "machine (2 ranks / 8 ranks) | CPU quantization | verdict |", "|---|---|---|---|---|---|---|"]
+             "machine (2 ranks / 8 ranks) | quantization: GPU (CPU) | verdict |", "|---|---|---|---|---|---|---|"]
     for name, (config, path, asked) in engines.items():
         plan, eight = (plan_memory(model_args, data_args, training_args, config, n, GPU_GIB, "cuda", ladder=False,
                                    load_path=path) for n in (None, 8 if config else None))
         loading = [{r.name: r.bytes for r in p.host_rows}["loading"] / GIB for p in (plan, eight)]
         verdict = "fits" if plan.fits else f"does not fit at {plan.fails_at}"
+        quantized = (f"{plan.quantization_seconds:.0f} s ({cpu_quantization_minutes(quantizable, config):.1f} min)"
+                     if plan.quantization_seconds else "in the quantizer's load")
         lines.append(f"| {name} | {asked} | {plan.phases['load'] / GIB:.1f} | {plan.phases['wrap'] / GIB:.1f} | "
-                     f"{loading[0]:.1f} / {loading[1]:.1f} | {plan.quantization_seconds / 60:.1f} min | {verdict} |")
+                     f"{loading[0]:.1f} / {loading[1]:.1f} | {quantized} | {verdict} |")
     at_load = quantized_base_bytes(model_args, data_args, training_args) / GIB + DEFAULT_CUDA_CONTEXT_GIB
     lines.append(f"| DeepSpeed ZeRO-3 | none allowed (transformers refuses a device_map under ZeRO-3) | "
                  f"{at_load:.1f} | {at_load:.1f} | 0 | 0 | refused before loading when it exceeds the GPU |")

@@ -1,6 +1,7 @@
 """The bench scripts run: the GPU benchmark's code path on a tiny CPU config, its refusal without a GPU, and the CPU
 throughput table's arithmetic (full bench runs are not tests: they print tables, see docs/memory-and-speed.md)."""
 
+import re
 import subprocess
 import sys
 
@@ -71,6 +72,9 @@ def test_quantized_load_bench_smoke_measures_the_plans_bytes_and_plans_every_eng
     rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
     guide = rows["FSDP1 (guide's config: rank 0 loads once)"]
     assert '{"": "cpu"} on rank 0' in guide and guide.endswith("| fits |")
+    # quantized on the loading rank's GPU in seconds, beside the CPU's minutes
+    gpu_s, cpu_min = re.search(r"\| (\d+) s \(([\d.]+) min\) \|", guide).groups()
+    assert 10 < int(gpu_s) < 60 and 1.0 < float(cpu_min) < 3.0
     # host RAM at load per machine, 2 ranks / 8 ranks: one 4-bit copy when rank 0 alone loads, one per rank else
     once = [float(x) for x in guide.split("|")[5].split("/")]
     every = [float(x) for x in rows["FSDP2"].split("|")[5].split("/")]

@@ -20,10 +20,11 @@ def test_gpu_check_smoke_prints_one_row_per_step(tmp_path):
     assert result.returncode == 0, result.output[-5000:]
     rows = {r["step"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())}
     assert list(rows) == ["lora", "lora+offload", "qlora", "qlora+offload", "lora-fp32base", "lora+actoffload",
-                          "lora-diverge", "qlora-quantizer", "qlora-1gpu", "qlora-fsdp1-every", "qlora-fsdp1-once",
-                          "gptq", "upstream"]
+                          "lora-diverge", "qlora-quantizer", "qlora-cpuquant", "qlora-1gpu", "qlora-fsdp1-every",
+                          "qlora-fsdp1-once", "gptq", "upstream"]
     assert rows["lora-fp32base"]["status"] == rows["lora+actoffload"]["status"] == "skipped"  # GPU-only contrasts
     assert rows["lora-diverge"]["status"] == "skipped"  # its CPU path is tests/e2e/test_divergence_and_ctrl_c.py
+    assert rows["qlora-cpuquant"]["status"] == "skipped"  # a CPU run quantizes on the CPU in the qlora row already
     for name in ("lora", "qlora", "qlora-quantizer", "qlora-1gpu"):
         row = rows[name]
         assert (row["status"], row["adapter_check"]) == ("ok", "pass"), row
@@ -84,3 +85,19 @@ def test_a_gpu_row_sets_the_plan_beside_both_measured_kinds(tmp_path):
     gpu_check.write_plan_vs_measured([row, {"step": "refused"}], model, tmp_path / "plan_vs_measured.csv")
     lines = (tmp_path / "plan_vs_measured.csv").read_text().splitlines()
     assert lines[1:] == ["lora,20.0,21.0,24.0,22.8,config.json"] and (tmp_path / "config.json").is_file()
+
+
+def test_the_gpu_run_says_whether_quantizing_on_the_gpu_gave_the_cpus_bytes_and_how_much_faster():
+    """The qlora row (each weight quantized on the GPU) beside qlora-cpuquant (on the CPU): a differing checksum is
+    said in capitals, and no line is printed when either row has no load time (skipped, failed)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_check
+
+    gpu = {"step": "qlora", "load_seconds": 4.0, "frozen_checksum": 17}
+    cpu = {"step": "qlora-cpuquant", "load_seconds": 60.0, "frozen_checksum": 17}
+    line = gpu_check.quantization_contrast([gpu, cpu])
+    assert "load 4.0 s vs 60.0 s (15.0x faster)" in line and "packed bytes identical" in line
+    assert "DIFFERENT" in gpu_check.quantization_contrast([gpu, {**cpu, "frozen_checksum": 18}])
+    assert gpu_check.quantization_contrast([gpu, {"step": "qlora-cpuquant", "status": "skipped"}]) is None

@@ -39,7 +39,7 @@ from sft_recipe.compat.peft_names import (
     trainable_tokens_lm_head_bias,
 )
 from sft_recipe.compat.process import exit_skipping_teardown, restore_bnb_4bit_storage_layout
-from sft_recipe.compat.quantized_load import quantized_base_device_map
+from sft_recipe.compat.quantized_load import quantize_each_weight_on, quantized_base_device_map
 from sft_recipe.compat.trl_fused_head import fused_head_reads_what_it_needs
 from sft_recipe.compat.trl_prepare import without_rank_barriers
 
@@ -106,6 +106,10 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround("quantized_base_device_map", "transformers", ">=5.0", "5.24.0",
                "tests/unit/test_quantized_placement.py::test_transformers_still_loads_a_quantized_base_onto_the_gpu "
                "fails (the quantizer no longer maps a 4-bit base onto each rank's GPU under FSDP)"),
+    Workaround("quantize_each_weight_on", "transformers", ">=5.0", "5.24.0",
+               "goes with quantized_base_device_map (the CPU map it speeds up); tests/unit/"
+               "test_quantized_placement.py::test_each_weight_quantized_on_a_device_comes_back_as_the_cpu_load shows "
+               "it still hooks transformers' Bnb4bitQuantize.convert"),
 )
 
 # Not workarounds themselves: what they are built from (used by gather.py), and what validation asks.
@@ -193,7 +197,7 @@ __all__ = [
     "install", "installed", "keep_present_no_split_modules",
     "load_persistent_buffers_apart",
     "module_names_without_fsdp_segments", "packing_kernel_gaps",
-    "quantized_base_device_map", "save_embedding_layers_for", "without_rank_barriers",
+    "quantize_each_weight_on", "quantized_base_device_map", "save_embedding_layers_for", "without_rank_barriers",
     "restore_bnb_4bit_storage_layout", "strip_wrapper_segments", "trainable_tokens_lm_head_bias",
     "trainer_override_drift",
 ]

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
+
 # Where a quantized base is loaded under FSDP: host RAM, quantized there by bitsandbytes' CPU backend.
 CPU_DEVICE_MAP = {"": "cpu"}
 
@@ -34,3 +38,45 @@ def quantized_base_device_map(model_args, launch) -> dict[str, str] | None:
         return None
     return dict(CPU_DEVICE_MAP)
 
+
+
+@contextlib.contextmanager
+def quantize_each_weight_on(device):
+    """While a 4-bit base loads onto the CPU (`CPU_DEVICE_MAP`): quantize each weight on `device` (this rank's GPU)
+    and bring the packed result back to the CPU, one weight at a time. `device` None: nothing changes (a CPU run;
+    a CPU `device` runs the same moves, which are no-ops there: how the tests exercise this on CPU machines).
+
+    Why: the CPU map above puts the quantization on bitsandbytes' CPU backend, ~35 M weights/s per thread (a 70B:
+    ~33 min on one thread), where transformers 4.4x quantized each weight on the rank's GPU as it was read and moved
+    it to the CPU. transformers 5.x quantizes a weight in `Bnb4bitQuantize.convert`
+    (`Params4bit(value, ...).to(value.device)`: bitsandbytes quantizes on the device a weight is moved to); this
+    wrapper hands `convert` the weight on `device` and moves what it returns to the CPU: `Params4bit.to` of a
+    quantized weight moves the packed bytes and its quantization state without quantizing again. The GPU holds one
+    weight, its packed copy and its constants at a time (the largest linear: 470 MiB in bf16 for Llama-2-70B);
+    `torch.cuda.empty_cache` then gives the allocator's cached blocks back before FSDP wraps.
+    When it can go: with quantized_base_device_map (transformers places a 4-bit base for FSDP itself).
+    """
+    if device is None:
+        yield
+        return
+    from transformers.integrations.bitsandbytes import Bnb4bitQuantize
+
+    convert = Bnb4bitQuantize.convert
+
+    def convert_on_device(self, input_dict, *args, **kwargs):
+        there = {name: [v.to(device) for v in value] if isinstance(value, list) else value.to(device)
+                 for name, value in input_dict.items()}
+        back = {}
+        for name, param in convert(self, there, *args, **kwargs).items():
+            moved = param.to("cpu")
+            moved.module = getattr(param, "module", None)  # bitsandbytes reads the state back through its layer
+            back[name] = moved
+        return back
+
+    Bnb4bitQuantize.convert = convert_on_device
+    try:
+        yield
+    finally:
+        Bnb4bitQuantize.convert = convert
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()

@@ -36,7 +36,13 @@ DEFAULT_HOST_RUNTIME_GIB = 3.0   # host RSS of one CUDA PyTorch process (librari
 # bitsandbytes 0.50.2 quantizing bf16 weights to NF4 + double quant on the CPU: 33-40 M weights/s per thread,
 # measured on this project's 2-core Zen3 EPYC (4096 x 4096 weights; 2 threads: 1.8x). Scales with threads.
 QUANTIZE_WEIGHTS_PER_S_PER_THREAD = 35e6
-DEFAULT_QUANTIZE_THREADS_PER_RANK = 8  # a GPU machine's CPUs shared by its ranks (what train.py gives each rank)
+DEFAULT_QUANTIZE_THREADS_PER_RANK = 8  # a GPU machine's CPUs shared by its ranks (what a CPU quantization gets)
+# Where the rank has a GPU, the recipe quantizes each 4-bit weight there as it is read (compat.quantize_each_weight_on):
+# the weight crosses to the GPU from pageable host memory (the mmapped checkpoint), bitsandbytes' kernel quantizes it
+# at memory bandwidth (TB/s: negligible), and the packed bytes come back. The copies bound it: pageable host<->device
+# copies run at ~6-12 GB/s on PCIe 4/5 hosts (CUDA's bandwidthTest, pageable). NOT measured here (no GPU lent yet):
+# bench/gpu_check.sh's qlora vs qlora-cpuquant rows measure the load seconds of both paths.
+PAGEABLE_COPY_BYTES_PER_S = 8e9
 LOAD_PATHS = ("recipe", "upstream")
 
 UPSTREAM_SAVE_ROW = "upstream's final save (rank 0)"
@@ -99,14 +105,15 @@ def layer_bytes_as_loaded(shape: ModelShape, w: Workload) -> float:
 def load_phases(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) -> tuple[float, float]:
     """GPU memory of one rank (load, wrap): at the end of `from_pretrained`, and through wrapping.
 
-    load = cuda_context_gib + the weights from_pretrained puts on the GPU:
+    load = cuda_context_gib + the weights from_pretrained puts on the GPU (the most it holds at once while loading):
            0 without quantization (loaded on the CPU; FSDP or the Trainer moves them);
            with bitsandbytes, the whole quantized base (weights + constants) where transformers 5.x maps it to this
            rank's GPU: one process and DDP (where it trains whole anyway), and under FSDP on upstream's path
            (load_path "upstream": no device_map, and the allocator warmed up to the same size first);
-           0 under FSDP on the recipe's path (compat.quantized_base_device_map loads it on the CPU), but for the
-           replicated 4-bit constants on ranks other than 0 when rank 0 alone loads it (FSDP1 +
-           cpu_ram_efficient_loading: they receive its quantization state onto their GPU).
+           under FSDP on the recipe's path (compat.quantized_base_device_map loads it on the CPU) one weight at a
+           time as it is quantized on the GPU (weight_quantizing_bytes), or the replicated 4-bit constants on ranks
+           other than 0 when rank 0 alone loads it (FSDP1 + cpu_ram_efficient_loading: they receive its
+           quantization state onto their GPU), whichever is larger.
     wrap = cuda_context_gib + weights/G (0 when offloaded) + replicated 4-bit constants + one decoder layer moved
            whole before it is sharded (U x b, packed when 4-bit); on upstream's FSDP path the whole base is already
            there: + weights x (1 - 1/G) until each unit is sharded.
@@ -116,13 +123,32 @@ def load_phases(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) ->
     whole = shardable + replicated
     quantized_on_gpu = w.quant is not None and (d.kind != "fsdp" or knobs.get("load_path") == "upstream")
     received = replicated if d.loads_quantized_base_once(w.quant) else 0.0  # rank 0's state, sent to the others
-    load = ctx + (whole if quantized_on_gpu else received)
+    # the recipe's FSDP path quantizes on the GPU a weight at a time (the loading rank; the others receive state)
+    at_a_time = weight_quantizing_bytes(shape, w) if w.quant == "4bit" and not quantized_on_gpu else 0.0
+    load = ctx + (whole if quantized_on_gpu else max(received, at_a_time))
     on_gpu = 0.0 if d.offload else 1.0
     sharded = d.shard_group if d.kind == "fsdp" else 1
     wrap = ctx + on_gpu * shardable / sharded + replicated + layer_bytes_as_loaded(shape, w)
     if quantized_on_gpu and d.kind == "fsdp":
         wrap = max(wrap, load + layer_bytes_as_loaded(shape, w))
     return load, wrap
+
+
+def weight_quantizing_bytes(shape: ModelShape, w: Workload) -> float:
+    """GPU bytes of the largest quantized weight (a decoder layer's linear; the head stays unquantized) while it is
+    quantized there: as read (b per weight), packed (half a byte) and its fp32 absmax per 64-weight block."""
+    largest = max((lin.in_features * lin.out_features for lin in shape.layer_linears),
+                  default=shape.largest_linear_params)
+    return largest * (w.load_bytes + 0.5 + 4 / 64)
+
+
+def gpu_quantization_seconds(shape: ModelShape, w: Workload) -> float:
+    """Seconds for one rank to quantize the base on its GPU a weight at a time: every quantized weight copied there
+    as loaded and back packed, at PAGEABLE_COPY_BYTES_PER_S (the checkpoint's read from disk is not counted, as it is
+    not in quantization_seconds)."""
+    if w.quant != "4bit":
+        return 0.0
+    return shape.quantizable_params * (w.load_bytes + 0.5 + 4 / 64) / PAGEABLE_COPY_BYTES_PER_S
 
 
 def quantization_seconds(shape: ModelShape, w: Workload, threads: int = DEFAULT_QUANTIZE_THREADS_PER_RANK) -> float:

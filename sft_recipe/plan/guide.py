@@ -134,7 +134,8 @@ def render_load_comparison(plans: dict[str, MemoryPlan], upstream: dict[str, Mem
     plan = plans["qlora-2x24-offload"]
     loading = {r.name: r for r in plan.host_rows}["loading"]
     lines.append(f"    recipe: the base loads on the CPU: {loading.formula} ({loading.bytes / GIB:.0f} GiB of host RAM "
-                 f"per machine at load, ~{plan.quantization_seconds / 60:.1f} min of CPU quantization); "
+                 f"per machine at load, each weight quantized on the loading rank's GPU: "
+                 f"~{plan.quantization_seconds:.0f} s); "
                  "upstream: transformers 5.x quantizes it onto every GPU whole, before FSDP can shard it")
     return lines
 

@@ -16,8 +16,10 @@ from sft_recipe.plan.gpu import (
     DEFAULT_HOST_RUNTIME_GIB,
     DEFAULT_QUANTIZE_THREADS_PER_RANK,
     LOAD_PATHS,
+    PAGEABLE_COPY_BYTES_PER_S,
     QUANTIZE_WEIGHTS_PER_S_PER_THREAD,
     estimate_gpu,
+    gpu_quantization_seconds,
     quantization_seconds,
 )
 from sft_recipe.plan.inputs import Distribution, Workload, check_inputs, distribution, read_accelerate_config, workload
@@ -94,13 +96,20 @@ def _plan(shape: ModelShape, w: Workload, d: Distribution, budget: float, device
         threads = knobs.get("quantize_threads_per_rank", DEFAULT_QUANTIZE_THREADS_PER_RANK)
         once = d.loads_quantized_base_once(w.quant)
         threads *= d.per_machine if once else 1  # the only rank quantizing gets its machine's CPUs
-        quantize_s = quantization_seconds(shape, w, threads)
-        who = ("rank 0 alone quantizes the base on the CPU (FSDP1 sends it to the others as it wraps)" if once else
-               "every rank quantizes the base on the CPU")
-        notes.append(f"load: {who}: {shape.quantizable_params:,} weights, "
-                     f"~{quantize_s / 60:.1f} min at {threads} threads{'' if once else ' per rank'} "
-                     f"({quantization_seconds(shape, w, 1) / 60:.0f} min on one; "
-                     f"{QUANTIZE_WEIGHTS_PER_S_PER_THREAD / 1e6:.0f} M weights/s per thread measured)")
+        cpu_s = quantization_seconds(shape, w, threads)
+        who = "rank 0 alone quantizes the base" if once else "every rank quantizes the base"
+        sent = " (FSDP1 sends it to the others as it wraps)" if once else ""
+        cpu = (f"~{cpu_s / 60:.1f} min at {threads} threads{'' if once else ' per rank'} "
+               f"({quantization_seconds(shape, w, 1) / 60:.0f} min on one; "
+               f"{QUANTIZE_WEIGHTS_PER_S_PER_THREAD / 1e6:.0f} M weights/s per thread measured)")
+        if device == "cuda" and w.quant == "4bit":  # train.py quantizes on the rank's GPU (weight_quantization_device)
+            quantize_s = gpu_quantization_seconds(shape, w)
+            notes.append(f"load: {who} on its GPU, a weight at a time{sent}: {shape.quantizable_params:,} weights, "
+                         f"~{quantize_s:.0f} s of host<->GPU copies at {PAGEABLE_COPY_BYTES_PER_S / 1e9:g} GB/s "
+                         f"(not measured here); on the CPU it would take {cpu}")
+        else:
+            quantize_s = cpu_s
+            notes.append(f"load: {who} on the CPU{sent}: {shape.quantizable_params:,} weights, {cpu}")
     notes.append(f"model: {shape.source}: {shape.total_params:,} params, {shape.num_layers} layers")
     return MemoryPlan(device=device, model=shape.source, setup=setup, budget_gib=budget, rows=rows, phases=phases,
                       host_rows=host_rows, host_peak_bytes=host_peak, notes=notes, per_rank_bytes=per_rank,

@@ -45,7 +45,7 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     ladder: list[LadderStep] = field(default_factory=list)
     per_rank_bytes: list[float] = field(default_factory=list)  # peak of each rank (rank 0 can differ)
-    quantization_seconds: float = 0.0  # CPU quantization per rank while loading (the recipe's FSDP path)
+    quantization_seconds: float = 0.0  # quantization per rank while loading (the recipe's FSDP path): GPU or CPU
 
     @property
     def peak_bytes(self) -> float:

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from sft_recipe.compat import keep_present_no_split_modules, quantized_base_device_map
+from sft_recipe.compat import keep_present_no_split_modules, quantize_each_weight_on, quantized_base_device_map
 from sft_recipe.config.args import ModelArguments
 from sft_recipe.config.dtypes import model_dtype
 from sft_recipe.data.chat_templates import CHAT_FORMATS, PAD_TOKEN
@@ -109,8 +109,12 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, launch):
     quantization = bnb_config(model_args)
     # A quantized base under FSDP loads onto the CPU, not whole onto each GPU (compat.quantized_base_device_map).
     device_map = quantized_base_device_map(model_args, launch) if quantization is not None else None
+    # ...each weight quantized on this rank's GPU where it has one (compat.quantize_each_weight_on), else on the CPU.
+    quantize_on = weight_quantization_device(model_args, launch, device_map)
     started = time.perf_counter()
-    with cpu_quantization_threads(launch, enabled=device_map is not None, sole_loader=once) as threads:
+    with (cpu_quantization_threads(launch, enabled=device_map is not None and quantize_on is None,
+                                   sole_loader=once) as threads,
+          quantize_each_weight_on(quantize_on)):
         model = AutoModelForCausalLM.from_pretrained(
             model_args.model_name_or_path,
             **({"quantization_config": quantization} if quantization is not None else
@@ -125,7 +129,9 @@ def load_model(model_args: ModelArguments, training_args, tokenizer, launch):
     if launch.is_main_process:
         logger.info(attention_note(model))
         if device_map is not None:
-            logger.info(quantized_load_note(model, launch, seconds, threads, shared))
+            quantized_by = (f"quantized on {quantize_on}, a weight at a time" if quantize_on is not None else
+                            f"quantized on the CPU, {threads} thread{'s' if threads > 1 else ''}")
+            logger.info(quantized_load_note(model, launch, seconds, quantized_by, shared))
     fit_embeddings_to_tokenizer(model, tokenizer)
     keep_present_no_split_modules(model)  # what FSDP wraps: the layer classes this model has
     return model
@@ -138,6 +144,16 @@ def quantization_threads(launch, available_cpus: int, current_threads: int, sole
     hour per rank (~35 M weights/s per thread, measured with bitsandbytes 0.50.2)."""
     ranks_here = 1 if sole_loader else launch.local_world_size or launch.world_size or 1
     return max(current_threads, available_cpus // max(1, ranks_here), 1)
+
+
+def weight_quantization_device(model_args: ModelArguments, launch, device_map) -> torch.device | None:
+    """Where each 4-bit weight of a base that loads onto the CPU (`device_map`, compat.quantized_base_device_map) is
+    quantized: this rank's GPU when it trains on one (seconds for a 70B, where the CPU takes minutes), None for
+    bitsandbytes' CPU backend (a CPU run). 8-bit is left alone: it is refused under FSDP."""
+    if device_map is None or not model_args.use_4bit_quantization:
+        return None
+    device = training_device(launch)
+    return device if device.type == "cuda" else None
 
 
 def training_device(launch) -> torch.device:
@@ -163,13 +179,14 @@ def cpu_quantization_threads(launch, enabled: bool = True, sole_loader: bool = F
         torch.set_num_threads(before)
 
 
-def quantized_load_note(model, launch, seconds: float, threads: int, shared: str | None = None) -> str:
+def quantized_load_note(model, launch, seconds: float, quantized_by: str, shared: str | None = None) -> str:
     """What loading a quantized base for FSDP cost, said once: where it is, host RAM per rank, quantization time.
-    `shared`: what share_quantization_state said when rank 0 alone loaded it."""
+    `quantized_by`: where and how it was quantized; `shared`: what share_quantization_state said when rank 0 alone
+    loaded it."""
     tensors = [*model.parameters(), *model.buffers(), *quant_state_tensors(model)]
     mib = live_tensor_mib(tensors)
-    head = (f"quantized base loaded on the CPU for FSDP in {seconds:.1f} s ({threads} thread"
-            f"{'s' if threads > 1 else ''}): {mib:,.1f} MiB on this rank.")
+    head = (f"quantized base loaded on the CPU for FSDP in {seconds:.1f} s ({quantized_by}): {mib:,.1f} MiB on this "
+            "rank.")
     tail = " FSDP then moves the base to the training device one wrapped unit at a time, so no GPU holds all of it."
     if shared:
         return f"{head} {shared}.{tail}"

@@ -13,7 +13,13 @@ import pytest
 
 from sft_recipe.plan import GIB, guide_plans, main, model_shape, parse_train_flags, plan_memory, render_guide_comparison
 from sft_recipe.plan.components import base_weight_bytes
-from sft_recipe.plan.gpu import DEFAULT_CUDA_CONTEXT_GIB, QUANTIZE_WEIGHTS_PER_S_PER_THREAD, layer_bytes_as_loaded
+from sft_recipe.plan.gpu import (
+    DEFAULT_CUDA_CONTEXT_GIB,
+    PAGEABLE_COPY_BYTES_PER_S,
+    QUANTIZE_WEIGHTS_PER_S_PER_THREAD,
+    layer_bytes_as_loaded,
+    weight_quantizing_bytes,
+)
 from sft_recipe.plan.inputs import workload
 from tests.helpers import REPO
 
@@ -62,11 +68,16 @@ def test_fsdp_load_puts_nothing_on_the_gpu_and_wrapping_one_layer_beyond_the_sha
     # loaded on the CPU, by rank 0 alone: the CUDA context, and on the other rank rank 0's quantization state
     assert plan.phases["load"] == pytest.approx(context + replicated)
     per_rank = _plan(qlora_args, _yaml_with(fsdp_cpu_ram_efficient_loading=False))
-    assert per_rank.phases["load"] == pytest.approx(context)  # every rank loads its own copy on the CPU
     whole = _whole_4bit_base(qlora_args)
     model_args, data_args, _, training_args = qlora_args
     w = workload(model_args, data_args, training_args, "cuda")
     shape = model_shape(LLAMA_70B, extra_vocab=w.extra_vocab)
+    # every rank loads its own copy on the CPU, each weight quantized on its GPU: the largest (an MLP projection,
+    # 28672 x 8192) in bf16, packed, and its absmax, never more
+    at_a_time = weight_quantizing_bytes(shape, w)
+    assert at_a_time == pytest.approx(28672 * 8192 * (2 + 0.5 + 4 / 64)) and at_a_time < 0.6 * GIB
+    assert per_rank.phases["load"] == pytest.approx(context + at_a_time)
+    assert replicated > at_a_time  # rank 0's state outweighs one weight on the ranks that receive it (above)
     layer = layer_bytes_as_loaded(shape, w)
     assert layer < 0.6 * GIB  # one packed 70B decoder layer, not its bf16 size (~1.6 GiB)
     # With CPU offload the shards live in host RAM: the GPU holds the 4-bit constants and one layer at a time.
@@ -104,16 +115,28 @@ def test_host_ram_and_quantization_time_follow_the_path(qlora_args):
     per_rank = _plan(qlora_args, _yaml_with(fsdp_cpu_ram_efficient_loading=False, fsdp_sync_module_states=False))
     assert {r.name: r.bytes for r in per_rank.host_rows}["loading"] == pytest.approx(2 * whole)  # each its own
     shape = model_shape(LLAMA_70B, extra_vocab=8)
-    # rank 0 alone quantizes, with its machine's threads (2 ranks x 8); every rank with its share otherwise
-    assert recipe.quantization_seconds == pytest.approx(shape.quantizable_params /
-                                                        (QUANTIZE_WEIGHTS_PER_S_PER_THREAD * 16))
-    assert per_rank.quantization_seconds == pytest.approx(2 * recipe.quantization_seconds)
-    assert 3 * 60 < per_rank.quantization_seconds < 6 * 60  # minutes at 70B on 8 threads per rank, in a note
-    assert any("rank 0 alone quantizes the base on the CPU" in note for note in recipe.notes)
-    assert any("every rank quantizes the base on the CPU" in note for note in per_rank.notes)
+    # On GPUs each weight is quantized on the loading rank's GPU: bounded by the copies there (bf16 in, packed and
+    # absmax back), seconds where the CPU takes minutes; the same for rank 0 alone and for every rank.
+    assert recipe.quantization_seconds == pytest.approx(
+        shape.quantizable_params * (2 + 0.5 + 4 / 64) / PAGEABLE_COPY_BYTES_PER_S)
+    assert 10 < recipe.quantization_seconds < 60 and per_rank.quantization_seconds == recipe.quantization_seconds
+    assert any("rank 0 alone quantizes the base on its GPU, a weight at a time" in note for note in recipe.notes)
+    assert any("every rank quantizes the base on its GPU" in note for note in per_rank.notes)
     assert upstream.quantization_seconds == 0.0
-    one_thread = _plan(qlora_args, QLORA_YAML, quantize_threads_per_rank=1)
-    assert one_thread.quantization_seconds == pytest.approx(8 * recipe.quantization_seconds)
+    # A CPU run quantizes on the CPU: rank 0 alone with its machine's threads (2 ranks x 8); every rank with its share
+    model_args, data_args, _, training_args = qlora_args
+    cpu = [plan_memory(model_args, data_args, training_args, config, None, 64.0, "cpu", ladder=False, **kw)
+           for config, kw in ((_yaml_with(fsdp_offload_params=False), {}),
+                              (_yaml_with(fsdp_offload_params=False, fsdp_cpu_ram_efficient_loading=False,
+                                          fsdp_sync_module_states=False), {}),
+                              (_yaml_with(fsdp_offload_params=False), {"quantize_threads_per_rank": 1}))]
+    assert cpu[0].quantization_seconds == pytest.approx(shape.quantizable_params /
+                                                        (QUANTIZE_WEIGHTS_PER_S_PER_THREAD * 16))
+    assert cpu[1].quantization_seconds == pytest.approx(2 * cpu[0].quantization_seconds)
+    assert 3 * 60 < cpu[1].quantization_seconds < 6 * 60  # minutes at 70B on 8 threads per rank, in a note
+    assert any("rank 0 alone quantizes the base on the CPU" in note for note in cpu[0].notes)
+    assert any("every rank quantizes the base on the CPU" in note for note in cpu[1].notes)
+    assert cpu[2].quantization_seconds == pytest.approx(8 * cpu[0].quantization_seconds)
 
 
 def test_an_8_rank_70b_qlora_loads_one_4bit_copy_not_eight(qlora_args):

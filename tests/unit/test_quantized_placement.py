@@ -106,20 +106,30 @@ class _Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize("launch,expected,threads", [
-    (FSDP1_PER_RANK, {"": "cpu"}, 8), (FSDP1_RANK0, {"": "cpu"}, 16), (FSDP2, {"": "cpu"}, 8), (DDP, None, None)],
-    ids=["fsdp1-every-rank-loads", "fsdp1-rank0-loads-once", "fsdp2", "ddp"])
-def test_load_model_asks_from_pretrained_for_the_decided_placement(monkeypatch, tiny, launch, expected, threads):
-    """What `from_pretrained` is asked to do for a CUDA launch (simulated): the CPU under FSDP, with this rank's
-    share of the machine's CPUs for quantizing (all of them for the only rank that loads: FSDP1 with
-    cpu_ram_efficient_loading); the quantizer's default (no device_map) under DDP."""
+FSDP2_CPU_RUN = LaunchEnv(**{**vars(FSDP2), "use_cpu": True})
+FSDP1_RANK0_CPU_RUN = LaunchEnv(**{**vars(FSDP1_RANK0), "use_cpu": True})
+
+
+@pytest.mark.parametrize("launch,expected,threads,quantized_on_gpu", [
+    (FSDP1_PER_RANK, {"": "cpu"}, None, True), (FSDP1_RANK0, {"": "cpu"}, None, True), (FSDP2, {"": "cpu"}, None, True),
+    (DDP, None, None, False), (FSDP2_CPU_RUN, {"": "cpu"}, 8, False), (FSDP1_RANK0_CPU_RUN, {"": "cpu"}, 16, False)],
+    ids=["fsdp1-every-rank-loads", "fsdp1-rank0-loads-once", "fsdp2", "ddp", "fsdp2-cpu-run", "fsdp1-once-cpu-run"])
+def test_load_model_asks_from_pretrained_for_the_decided_placement(monkeypatch, tiny, launch, expected, threads,
+                                                                   quantized_on_gpu):
+    """What `from_pretrained` is asked to do for a CUDA launch (simulated): the CPU under FSDP, each weight quantized
+    on this rank's GPU (transformers' Bnb4bitQuantize.convert wrapped while it loads, torch's threads untouched); a
+    CPU run (ACCELERATE_USE_CPU) quantizes on the CPU with this rank's share of the machine's CPUs (all of them for
+    the only rank that loads: FSDP1 with cpu_ram_efficient_loading); the quantizer's default (no device_map) under
+    DDP."""
     from transformers import AutoModelForCausalLM
+    from transformers.integrations.bitsandbytes import Bnb4bitQuantize
 
     _simulate_cuda(monkeypatch)
     seen = {}
+    convert = Bnb4bitQuantize.convert
 
     def from_pretrained(*args, **kwargs):
-        seen.update(kwargs, threads=torch.get_num_threads())
+        seen.update(kwargs, threads=torch.get_num_threads(), wrapped=Bnb4bitQuantize.convert is not convert)
         raise _Stop
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
@@ -131,7 +141,56 @@ def test_load_model_asks_from_pretrained_for_the_decided_placement(monkeypatch, 
     assert seen.get("device_map") == expected
     assert seen["quantization_config"].load_in_4bit
     assert seen["threads"] == (max(before, threads) if threads else before)  # of 16 CPUs, 2 ranks on the machine
-    assert torch.get_num_threads() == before  # put back, even when loading fails
+    assert seen["wrapped"] is quantized_on_gpu
+    assert torch.get_num_threads() == before and Bnb4bitQuantize.convert is convert  # put back, even when it fails
+    device_map = expected
+    assert model_module.weight_quantization_device(qlora_args(), launch, device_map) == \
+        (torch.device("cuda", 3) if quantized_on_gpu else None)
+
+
+def test_each_weight_quantized_on_a_device_comes_back_as_the_cpu_load(tiny, quantized_tiny):
+    """compat.quantize_each_weight_on, run on the CPU (its moves are no-ops here; bench/gpu_check.sh's qlora vs
+    qlora-cpuquant rows run it on a GPU): transformers' convert is handed each weight on the device, one at a time,
+    and what comes back is the plain CPU load byte for byte -- packed weights and every quantization-state tensor,
+    on the CPU, with the layer's own state the weight's -- and the model computes the same logits."""
+    from bitsandbytes.nn import Params4bit
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.bitsandbytes import Bnb4bitQuantize
+
+    from sft_recipe.compat import quantize_each_weight_on
+    from sft_recipe.measure import quant_state_tensors
+
+    original = Bnb4bitQuantize.convert
+    calls = []
+
+    def counting(self, input_dict, *args, **kwargs):
+        calls.append({name: (v[0] if isinstance(v, list) else v).device for name, v in input_dict.items()})
+        return original(self, input_dict, *args, **kwargs)
+
+    Bnb4bitQuantize.convert = counting
+    try:
+        with quantize_each_weight_on(torch.device("cpu")):
+            assert Bnb4bitQuantize.convert is not counting  # wrapped while loading
+            model = AutoModelForCausalLM.from_pretrained(str(tiny.model_dir), quantization_config=bnb_config(
+                qlora_args()), dtype=torch.bfloat16, device_map=dict(CPU_DEVICE_MAP))
+        assert Bnb4bitQuantize.convert is counting  # put back
+    finally:
+        Bnb4bitQuantize.convert = original
+    linear4bit = [m for m in model.modules() if isinstance(getattr(m, "weight", None), Params4bit)]
+    assert len(calls) == len(linear4bit) == 14 and all(len(c) == 1 for c in calls)  # one weight per call
+    for layer in linear4bit:
+        assert layer.weight.bnb_quantized and layer.weight.device.type == "cpu"
+        assert layer.weight.module is layer and layer.quant_state is layer.weight.quant_state
+    ours = dict(model.named_parameters())
+    for name, reference in quantized_tiny.named_parameters():
+        assert torch.equal(ours[name].data.view(torch.uint8), reference.data.view(torch.uint8)), name
+    ours_state, reference_state = quant_state_tensors(model), quant_state_tensors(quantized_tiny)
+    assert len(ours_state) == len(reference_state) > 14
+    for a, b in zip(ours_state, reference_state):
+        assert a.device.type == "cpu" and a.dtype == b.dtype and torch.equal(a, b)
+    ids = torch.tensor([[1, 5, 9, 12, 3]])
+    with torch.no_grad():  # on a copy: a CPU forward rewrites the nested state the module's other tests read
+        assert torch.equal(model(ids).logits, copy.deepcopy(quantized_tiny)(ids).logits)
 
 
 def test_the_ranks_that_receive_the_base_never_read_it(monkeypatch, tiny):
