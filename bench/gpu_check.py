@@ -148,7 +148,7 @@ def steps(model: Path, data: Path) -> list[dict]:
                        out=out / "qlora-quantizer"))
     # The same qlora run with each weight quantized on the CPU (as before compat.quantize_each_weight_on): its load
     # seconds beside the qlora row's (quantized on this GPU a weight at a time), and its frozen-weight checksum.
-    flags = common_flags(model, data, out / "qlora-cpuquant") + qlora_flags(storage)
+    flags = common_flags(model, data, out / "qlora-cpuquant") + qlora_flags(storage) + ["--max_steps", "2"]
     result.append(dict(name="qlora-cpuquant", cmd=launch + ["--fsdp_offload_params", "false",
                                                             "bench/train_quantizing_on_cpu.py", *flags],
                        plan=plan + ["--fsdp_offload_params", "false", *flags], out=out / "qlora-cpuquant"))
