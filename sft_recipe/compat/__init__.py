@@ -29,6 +29,7 @@ from sft_recipe.compat.accelerate_fsdp import (
     keep_present_no_split_modules,
 )
 from sft_recipe.compat.cpu_module_sync import allow_fsdp1_module_sync_on_cpu, fsdp1_module_sync_allowed_on_cpu
+from sft_recipe.compat.fsdp1_dtype_units import wrap_other_dtypes_apart
 from sft_recipe.compat.fsdp2_buffers import load_persistent_buffers_apart
 from sft_recipe.compat.hub_kernels import packing_kernel_gaps
 from sft_recipe.compat.peft_embeddings import save_embedding_layers_for
@@ -67,6 +68,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround("load_persistent_buffers_apart", "accelerate", ">=1.0", "1.15.0",
                "the deepseek-v3-fsdp2 cell of tests/e2e/test_families.py (a router with a persistent buffer, FSDP2 "
                "with cpu_ram_efficient_loading) trains without it", install=load_persistent_buffers_apart),
+    Workaround("wrap_other_dtypes_apart", "peft", ">=0.21", "0.21.2",
+               "the deepseek-v3-qlora-fsdp1 cell of tests/e2e/test_families.py (an fp32 router beside a bf16-stored "
+               "4-bit base, FSDP1) wraps without it", install=wrap_other_dtypes_apart),
     Workaround("fused_head_reads_what_it_needs", "trl", ">=1.16", "1.16.0",
                "tests/e2e/test_census.py trains Llama-4-text (its base_model_prefix names no child) and GraniteMoE "
                "(num_local_experts) without it", install=fused_head_reads_what_it_needs),
@@ -113,7 +117,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
 )
 
 # Not workarounds themselves: what they are built from (used by gather.py), and what validation asks.
-HELPERS = ("strip_wrapper_segments", "fsdp1_module_sync_allowed_on_cpu")
+HELPERS = ("strip_wrapper_segments", "fsdp1_module_sync_allowed_on_cpu", "other_dtype_modules", "with_units_for")
 
 
 @dataclass(frozen=True)
@@ -195,7 +199,7 @@ __all__ = [
     "exit_skipping_teardown", "gather_full_state_dict",
     "fsdp1_module_sync_allowed_on_cpu", "fused_head_reads_what_it_needs", "init_optimizer_state_before_fsdp1_load",
     "install", "installed", "keep_present_no_split_modules",
-    "load_persistent_buffers_apart",
+    "load_persistent_buffers_apart", "wrap_other_dtypes_apart",
     "module_names_without_fsdp_segments", "packing_kernel_gaps",
     "quantize_each_weight_on", "quantized_base_device_map", "save_embedding_layers_for", "without_rank_barriers",
     "restore_bnb_4bit_storage_layout", "strip_wrapper_segments", "trainable_tokens_lm_head_bias",

@@ -14,7 +14,8 @@ paths differ (the full product family x engine would cost ~15 minutes):
   language model is adapted, its wrap classes exist, and its resized vocabulary is saved;
 - fused MoE experts: Mixtral 4-bit on FSDP1 with the guide's dropout (attention adapted; its router an nn.Linear);
   DeepSeek-V3 (dense first layer, shared expert, a router that is no nn.Linear and holds a persistent buffer) on
-  every engine: the guide's flags on FSDP1 and ZeRO-3, the experts named (--lora_target_parameters, dropout 0) in
+  every engine: the guide's flags on FSDP1 (also as QLoRA: its fp32 router beside the bf16-stored base is an FSDP1
+  unit of its own) and ZeRO-3, the experts named (--lora_target_parameters, dropout 0) in
   one process and on FSDP2 with efficient loading, whose adapter must equal the one-process adapter (a rank that
   loaded the router's bias wrong routes otherwise);
 - non-Llama layouts: GPT-NeoX on FSDP1, Phi-3 (fused qkv/gate_up) in one process.
@@ -56,6 +57,9 @@ CELLS = {
     "gemma3-multimodal-fsdp2": ("gemma3-multimodal", "fsdp2", []),
     # The 4-bit base loaded on the CPU and wrapped (issue 16), and the bf16 LoRA base (issue 19), off the Llama demo.
     "mixtral-qlora-fsdp1": ("mixtral", "fsdp1", QLORA_FLAGS),
+    # An fp32 router (transformers keeps it so) beside the bf16-stored 4-bit base: its own FSDP1 unit
+    # (compat.wrap_other_dtypes_apart); without it FSDP1 refused to flatten the layer's mixed dtypes.
+    "deepseek-v3-qlora-fsdp1": ("deepseek-v3", "fsdp1", QLORA_FLAGS),
     "qwen2-bf16-base-fsdp1": ("qwen2", "fsdp1", ["--bf16", "True", "--use_reentrant", "True"]),
     "deepseek-v3-experts-single": ("deepseek-v3", "single", [*EXPERTS, "--per_device_train_batch_size", "4"]),
     "deepseek-v3-experts-fsdp2": ("deepseek-v3", "fsdp2", EXPERTS),
