@@ -148,7 +148,34 @@ def test_load_model_asks_from_pretrained_for_the_decided_placement(monkeypatch, 
         (torch.device("cuda", 3) if quantized_on_gpu else None)
 
 
-def test_each_weight_quantized_on_a_device_comes_back_as_the_cpu_load(tiny, quantized_tiny):
+@pytest.fixture(scope="module")
+def quantizable_model(tiny, tmp_path_factory):
+    """name -> a tiny checkpoint: the Llama demo, the families a load must handle (tied, two MoE styles, Gemma, a
+    non-Llama layout) and GPT-2, whose Conv1D weights transformers transposes before it quantizes them."""
+    from sft_recipe.tiny.families import build_family_model
+
+    root = tmp_path_factory.mktemp("quantizable")
+
+    def build(name: str):
+        if name == "llama-demo":
+            return tiny.model_dir
+        if name == "gpt2-conv1d":
+            from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+            out = root / name
+            if not out.is_dir():
+                torch.manual_seed(0)
+                GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=512)).save_pretrained(out)
+                AutoTokenizer.from_pretrained(str(tiny.model_dir)).save_pretrained(out)
+            return out
+        return build_family_model(root, tiny.root, name)
+
+    return build
+
+
+@pytest.mark.parametrize("name", ["llama-demo", "qwen2", "mixtral", "deepseek-v3", "gemma3", "gpt-neox",
+                                  "gpt2-conv1d"])
+def test_each_weight_quantized_on_a_device_comes_back_as_the_cpu_load(quantizable_model, name):
     """compat.quantize_each_weight_on, run on the CPU (its moves are no-ops here; bench/gpu_check.sh's qlora vs
     qlora-cpuquant rows run it on a GPU): transformers' convert is handed each weight on the device, one at a time,
     and what comes back is the plain CPU load byte for byte -- packed weights and every quantization-state tensor,
@@ -160,37 +187,45 @@ def test_each_weight_quantized_on_a_device_comes_back_as_the_cpu_load(tiny, quan
     from sft_recipe.compat import quantize_each_weight_on
     from sft_recipe.measure import quant_state_tensors
 
+    path = str(quantizable_model(name))
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_config(qlora_args()),
+                                                    dtype=torch.bfloat16, device_map=dict(CPU_DEVICE_MAP))
+
+    reference = load()
     original = Bnb4bitQuantize.convert
     calls = []
 
     def counting(self, input_dict, *args, **kwargs):
-        calls.append({name: (v[0] if isinstance(v, list) else v).device for name, v in input_dict.items()})
+        calls.append({key: (v[0] if isinstance(v, list) else v).device for key, v in input_dict.items()})
         return original(self, input_dict, *args, **kwargs)
 
     Bnb4bitQuantize.convert = counting
     try:
         with quantize_each_weight_on(torch.device("cpu")):
             assert Bnb4bitQuantize.convert is not counting  # wrapped while loading
-            model = AutoModelForCausalLM.from_pretrained(str(tiny.model_dir), quantization_config=bnb_config(
-                qlora_args()), dtype=torch.bfloat16, device_map=dict(CPU_DEVICE_MAP))
+            model = load()
         assert Bnb4bitQuantize.convert is counting  # put back
     finally:
         Bnb4bitQuantize.convert = original
     linear4bit = [m for m in model.modules() if isinstance(getattr(m, "weight", None), Params4bit)]
-    assert len(calls) == len(linear4bit) == 14 and all(len(c) == 1 for c in calls)  # one weight per call
+    assert len(calls) == len(linear4bit) > 0 and all(len(c) == 1 for c in calls)  # one weight per call
     for layer in linear4bit:
         assert layer.weight.bnb_quantized and layer.weight.device.type == "cpu"
         assert layer.weight.module is layer and layer.quant_state is layer.weight.quant_state
     ours = dict(model.named_parameters())
-    for name, reference in quantized_tiny.named_parameters():
-        assert torch.equal(ours[name].data.view(torch.uint8), reference.data.view(torch.uint8)), name
-    ours_state, reference_state = quant_state_tensors(model), quant_state_tensors(quantized_tiny)
-    assert len(ours_state) == len(reference_state) > 14
+    for key, expected in reference.named_parameters():
+        assert ours[key].dtype == expected.dtype and ours[key].shape == expected.shape, key
+        assert torch.equal(ours[key].data.view(torch.uint8), expected.data.view(torch.uint8)), key
+    ours_state, reference_state = quant_state_tensors(model), quant_state_tensors(reference)
+    assert len(ours_state) == len(reference_state) > len(linear4bit)
     for a, b in zip(ours_state, reference_state):
         assert a.device.type == "cpu" and a.dtype == b.dtype and torch.equal(a, b)
+    # With grad (as training runs): under no_grad bitsandbytes re-lays out the packed bytes for its CPU kernel,
+    # which refuses some of these tiny shapes.
     ids = torch.tensor([[1, 5, 9, 12, 3]])
-    with torch.no_grad():  # on a copy: a CPU forward rewrites the nested state the module's other tests read
-        assert torch.equal(model(ids).logits, copy.deepcopy(quantized_tiny)(ids).logits)
+    assert torch.equal(model(ids).logits, reference(ids).logits)
 
 
 def test_the_ranks_that_receive_the_base_never_read_it(monkeypatch, tiny):
