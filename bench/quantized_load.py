@@ -162,19 +162,8 @@ def part_ranks(sizes, rank_counts=(2, 4)) -> list[str]:
     return lines
 
 
-def cpu_quantization_minutes(quantizable_params: int, config: dict) -> float:
-    """What bitsandbytes' CPU backend would take for the rank(s) that quantize the base (a CPU run's path): 8 threads
-    per quantizing rank, all 16 of the 2 ranks' for rank 0 alone (FSDP1 + cpu_ram_efficient_loading)."""
-    from sft_recipe.plan.gpu import DEFAULT_QUANTIZE_THREADS_PER_RANK, QUANTIZE_WEIGHTS_PER_S_PER_THREAD
-
-    fsdp = config.get("fsdp_config", {})
-    once = fsdp.get("fsdp_version", 1) == 1 and fsdp.get("fsdp_cpu_ram_efficient_loading", False)
-    threads = DEFAULT_QUANTIZE_THREADS_PER_RANK * (2 if once else 1)
-    return quantizable_params / (QUANTIZE_WEIGHTS_PER_S_PER_THREAD * threads) / 60
-
-
 def part_planned() -> list[str]:
-    from sft_recipe.plan import GIB, model_shape, parse_train_flags, plan_memory
+    from sft_recipe.plan import GIB, parse_train_flags, plan_memory
     from sft_recipe.plan.gpu import DEFAULT_CUDA_CONTEXT_GIB
     from sft_recipe.plan.guide import GUIDE_RUNS, recipe_flags
     from sft_recipe.preflight.load_checks import quantized_base_bytes
@@ -182,7 +171,6 @@ def part_planned() -> list[str]:
     run = GUIDE_RUNS["qlora-2x24-offload"]
     model_args, data_args, _, training_args = parse_train_flags(recipe_flags(run.recipe), "cuda")
     fsdp = run.accelerate_config
-    quantizable = model_shape(model_args.model_name_or_path).quantizable_params
     engines = {
         "one process (1 GPU)": (None, "recipe", "quantizer's: this GPU"),
         "DDP (2 GPUs)": ({**fsdp, "distributed_type": "MULTI_GPU", "fsdp_config": {}}, "recipe",
@@ -204,7 +192,7 @@ def part_planned() -> list[str]:
                                    load_path=path) for n in (None, 8 if config else None))
         loading = [{r.name: r.bytes for r in p.host_rows}["loading"] / GIB for p in (plan, eight)]
         verdict = "fits" if plan.fits else f"does not fit at {plan.fails_at}"
-        quantized = (f"{plan.quantization_seconds:.0f} s ({cpu_quantization_minutes(quantizable, config):.1f} min)"
+        quantized = (f"{plan.quantization_seconds:.0f} s ({plan.cpu_quantization_seconds / 60:.1f} min)"
                      if plan.quantization_seconds else "in the quantizer's load")
         lines.append(f"| {name} | {asked} | {plan.phases['load'] / GIB:.1f} | {plan.phases['wrap'] / GIB:.1f} | "
                      f"{loading[0]:.1f} / {loading[1]:.1f} | {quantized} | {verdict} |")

@@ -24,9 +24,10 @@ def quantized_base_device_map(model_args, launch) -> dict[str, str] | None:
     bitsandbytes quantizes each weight on the CPU (bit-identical on every rank), and a single-device map sets no
     `hf_device_map`, so accelerate's "loaded on a different device" check does not apply; FSDP then moves each
     wrapped unit to the GPU as it shards it (FSDP1 `_move_module_to_device`, FSDP2 `fully_shard`), and
-    `Params4bit.to` moves the quantization state with the packed bytes without quantizing again. Cost: CPU
-    quantization time (planned: `sft_recipe.plan`), and one 4-bit copy per rank in host RAM until it is sharded
-    (under FSDP1 with cpu_ram_efficient_loading only rank 0 loads it: sft_recipe/train/quantized_from_rank0.py).
+    `Params4bit.to` moves the quantization state with the packed bytes without quantizing again. Cost: one
+    4-bit copy per rank in host RAM until it is sharded (under FSDP1 with cpu_ram_efficient_loading only rank 0
+    loads it: sft_recipe/train/quantized_from_rank0.py); the quantizing itself stays on the rank's GPU, a weight at a
+    time (quantize_each_weight_on), and only a CPU run quantizes on the CPU (time planned: `sft_recipe.plan`).
     One process and DDP keep the quantizer's map (this rank's GPU): there the whole model trains on each GPU anyway.
     When it can go: `tests/unit/test_quantized_placement.py::
     test_transformers_still_loads_a_quantized_base_onto_the_gpu` fails (the quantizer no longer maps a quantized base
@@ -37,7 +38,6 @@ def quantized_base_device_map(model_args, launch) -> dict[str, str] | None:
     if not launch.use_fsdp:
         return None
     return dict(CPU_DEVICE_MAP)
-
 
 
 @contextlib.contextmanager
@@ -52,7 +52,7 @@ def quantize_each_weight_on(device):
     (`Params4bit(value, ...).to(value.device)`: bitsandbytes quantizes on the device a weight is moved to); this
     wrapper hands `convert` the weight on `device` and moves what it returns to the CPU: `Params4bit.to` of a
     quantized weight moves the packed bytes and its quantization state without quantizing again. The GPU holds one
-    weight, its packed copy and its constants at a time (the largest linear: 470 MiB in bf16 for Llama-2-70B);
+    weight, its packed copy and its constants at a time (the largest linear: 448 MiB in bf16 for Llama-2-70B);
     `torch.cuda.empty_cache` then gives the allocator's cached blocks back before FSDP wraps.
     When it can go: with quantized_base_device_map (transformers places a 4-bit base for FSDP itself).
     """

@@ -134,12 +134,18 @@ def load_phases(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) ->
     return load, wrap
 
 
+def quantizing_bytes_per_weight(w: Workload) -> float:
+    """Bytes one weight takes on the GPU while it is quantized there, and crosses to and from it: as read (b), packed
+    (half a byte) and its share of the fp32 absmax of its 64-weight block."""
+    return w.load_bytes + 0.5 + 4 / 64
+
+
 def weight_quantizing_bytes(shape: ModelShape, w: Workload) -> float:
     """GPU bytes of the largest quantized weight (a decoder layer's linear; the head stays unquantized) while it is
-    quantized there: as read (b per weight), packed (half a byte) and its fp32 absmax per 64-weight block."""
+    quantized there."""
     largest = max((lin.in_features * lin.out_features for lin in shape.layer_linears),
                   default=shape.largest_linear_params)
-    return largest * (w.load_bytes + 0.5 + 4 / 64)
+    return largest * quantizing_bytes_per_weight(w)
 
 
 def gpu_quantization_seconds(shape: ModelShape, w: Workload) -> float:
@@ -148,7 +154,7 @@ def gpu_quantization_seconds(shape: ModelShape, w: Workload) -> float:
     not in quantization_seconds)."""
     if w.quant != "4bit":
         return 0.0
-    return shape.quantizable_params * (w.load_bytes + 0.5 + 4 / 64) / PAGEABLE_COPY_BYTES_PER_S
+    return shape.quantizable_params * quantizing_bytes_per_weight(w) / PAGEABLE_COPY_BYTES_PER_S
 
 
 def quantization_seconds(shape: ModelShape, w: Workload, threads: int = DEFAULT_QUANTIZE_THREADS_PER_RANK) -> float:

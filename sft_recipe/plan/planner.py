@@ -91,15 +91,15 @@ def _plan(shape: ModelShape, w: Workload, d: Distribution, budget: float, device
             per_rank.append(max(estimate_cpu(shape, w, d, rank)[1].values()))
         host_rows, host_peak = [], 0.0
         notes.append("CPU mode: constants measured on this stack with glibc malloc (see bench/memory_plan.py).")
-    quantize_s = 0.0
+    quantize_s = cpu_quantize_s = 0.0
     if w.quant and d.kind == "fsdp" and knobs.get("load_path") != "upstream":
         threads = knobs.get("quantize_threads_per_rank", DEFAULT_QUANTIZE_THREADS_PER_RANK)
         once = d.loads_quantized_base_once(w.quant)
         threads *= d.per_machine if once else 1  # the only rank quantizing gets its machine's CPUs
-        cpu_s = quantization_seconds(shape, w, threads)
+        cpu_quantize_s = quantization_seconds(shape, w, threads)
         who = "rank 0 alone quantizes the base" if once else "every rank quantizes the base"
         sent = " (FSDP1 sends it to the others as it wraps)" if once else ""
-        cpu = (f"~{cpu_s / 60:.1f} min at {threads} threads{'' if once else ' per rank'} "
+        cpu = (f"~{cpu_quantize_s / 60:.1f} min at {threads} threads{'' if once else ' per rank'} "
                f"({quantization_seconds(shape, w, 1) / 60:.0f} min on one; "
                f"{QUANTIZE_WEIGHTS_PER_S_PER_THREAD / 1e6:.0f} M weights/s per thread measured)")
         if device == "cuda" and w.quant == "4bit":  # train.py quantizes on the rank's GPU (weight_quantization_device)
@@ -108,11 +108,12 @@ def _plan(shape: ModelShape, w: Workload, d: Distribution, budget: float, device
                          f"~{quantize_s:.0f} s of host<->GPU copies at {PAGEABLE_COPY_BYTES_PER_S / 1e9:g} GB/s "
                          f"(not measured here); on the CPU it would take {cpu}")
         else:
-            quantize_s = cpu_s
+            quantize_s = cpu_quantize_s
             notes.append(f"load: {who} on the CPU{sent}: {shape.quantizable_params:,} weights, {cpu}")
     notes.append(f"model: {shape.source}: {shape.total_params:,} params, {shape.num_layers} layers")
     return MemoryPlan(device=device, model=shape.source, setup=setup, budget_gib=budget, rows=rows, phases=phases,
                       host_rows=host_rows, host_peak_bytes=host_peak, notes=notes, per_rank_bytes=per_rank,
+                      cpu_quantization_seconds=cpu_quantize_s,
                       quantization_seconds=quantize_s)
 
 

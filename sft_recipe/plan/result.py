@@ -46,6 +46,7 @@ class MemoryPlan:
     ladder: list[LadderStep] = field(default_factory=list)
     per_rank_bytes: list[float] = field(default_factory=list)  # peak of each rank (rank 0 can differ)
     quantization_seconds: float = 0.0  # quantization per rank while loading (the recipe's FSDP path): GPU or CPU
+    cpu_quantization_seconds: float = 0.0  # the same on the CPU (a CPU run's path; beside a GPU plan's figure)
 
     @property
     def peak_bytes(self) -> float:
@@ -98,6 +99,7 @@ class MemoryPlan:
             "phases_gib": {k: round(v / GIB, 3) for k, v in self.phases.items()}, "largest_phase": self.largest_phase,
             "fails_at": self.fails_at,
             "quantization_seconds": round(self.quantization_seconds, 1),
+            "cpu_quantization_seconds": round(self.cpu_quantization_seconds, 1),
             "rows": [{"name": r.name, "gib": round(r.gib(), 3), "formula": r.formula} for r in self.rows],
             "host_rows": [{"name": r.name, "gib": round(r.gib(), 3), "formula": r.formula} for r in self.host_rows],
             "host_peak_gib": round(self.host_peak_bytes / GIB, 3),

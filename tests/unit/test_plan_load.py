@@ -120,6 +120,10 @@ def test_host_ram_and_quantization_time_follow_the_path(qlora_args):
     assert recipe.quantization_seconds == pytest.approx(
         shape.quantizable_params * (2 + 0.5 + 4 / 64) / PAGEABLE_COPY_BYTES_PER_S)
     assert 10 < recipe.quantization_seconds < 60 and per_rank.quantization_seconds == recipe.quantization_seconds
+    # beside it, what the CPU would take (rank 0 alone with its machine's 2 x 8 threads; every rank with its 8)
+    assert recipe.cpu_quantization_seconds == pytest.approx(shape.quantizable_params /
+                                                            (QUANTIZE_WEIGHTS_PER_S_PER_THREAD * 16))
+    assert per_rank.cpu_quantization_seconds == pytest.approx(2 * recipe.cpu_quantization_seconds)
     assert any("rank 0 alone quantizes the base on its GPU, a weight at a time" in note for note in recipe.notes)
     assert any("every rank quantizes the base on its GPU" in note for note in per_rank.notes)
     assert upstream.quantization_seconds == 0.0
