@@ -18,6 +18,8 @@ from tests.helpers import REPO, tiny_conversation_as  # noqa: E402
 for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_name, "1")
 
+pytest_plugins = ["tests.launch_budget"]  # counts and times every process a test starts; prints the table at the end
+
 
 def pytest_collection_modifyitems(items):
     """Mark each test by where it lives (markers are declared in pyproject.toml): `-m unit` is the fast lane."""
@@ -71,3 +73,18 @@ def family_model(tiny, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("families")
     return lambda family: build_family_model(root, tiny.root, family)
+
+
+@pytest.fixture(scope="session")
+def shared_run(tiny, tmp_path_factory):
+    """name -> RunResult of one of tests/shared_runs.py's launches: each launched once per session, on first use, and
+    read by every test that asks. Readers copy before they change anything; the session ends by checking they did."""
+    from tests.shared_runs import SharedRuns
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one folder for every worker: each run launches once in all
+        root = root.parent
+    runs = SharedRuns(tiny, root / "shared-runs")
+    yield runs
+    changed = runs.changed()
+    assert not changed, f"a test wrote into a shared run's folder (copy it first): {changed}"

@@ -30,7 +30,7 @@ import torch
 from sft_recipe.artifacts.checkpoints import checkpoint_damage, checkpoints, read_marker
 from sft_recipe.artifacts.generation import GENERATION_CONFIG, MODEL_CARD
 from sft_recipe.data.chat_templates import CHAT_FORMATS
-from tests.helpers import TRAIN_FLAGS, launch_env, launch_train, run_command
+from tests.helpers import launch_env, launch_train, run_command
 
 MAX_NEW_TOKENS = 24  # the answers are ~8 tokens ("The opposite of hot is cold."): room to see a run-on
 PROMPTS = 8  # held-out wording, with and without a system turn
@@ -178,19 +178,18 @@ def test_the_merged_model_stops_in_a_pipeline(tiny, run, tokenizer, end_of_turn,
     _assert_run_on(run_on, stopped, end_of_turn, tokenizer)  # the base's generation config: no stop
 
 
-def test_sharded_fsdp_checkpoints_carry_it_too(tiny, tmp_path):
+def test_sharded_fsdp_checkpoints_carry_it_too(shared_run):
     """FSDP SHARDED_STATE_DICT checkpoints hold DCP shards, not an adapter save: the trainer writes it there."""
-    out = tmp_path / "fsdp1"
-    result = launch_train("cpu/fsdp_config.yaml", out, [
-        "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
-        "--chat_template_format", "chatml", *TRAIN_FLAGS, "--max_steps", "2", "--save_strategy", "steps",
-        "--save_steps", "2"])
+    result = shared_run("lora-fsdp1")  # chatml, a checkpoint every 4 steps (tests/shared_runs.py)
+    out = result.output_dir
     assert result.returncode == 0, result.output[-6000:]
     from transformers import AutoTokenizer
 
     end_of_turn = AutoTokenizer.from_pretrained(str(out)).convert_tokens_to_ids(CHAT_FORMATS["chatml"].eos_token)
-    (checkpoint,) = checkpoints(out)
-    assert not (checkpoint / "adapter_model.safetensors").exists()  # the sharded path, not an adapter save
-    eos = json.loads((checkpoint / GENERATION_CONFIG).read_text())["eos_token_id"]
-    assert eos == json.loads((out / GENERATION_CONFIG).read_text())["eos_token_id"] and end_of_turn in eos
-    assert GENERATION_CONFIG in read_marker(checkpoint)["files"] and not checkpoint_damage(checkpoint)
+    saved = checkpoints(out)
+    assert [c.name for c in saved] == ["checkpoint-4", "checkpoint-8"]
+    for checkpoint in saved:
+        assert not (checkpoint / "adapter_model.safetensors").exists()  # the sharded path, not an adapter save
+        eos = json.loads((checkpoint / GENERATION_CONFIG).read_text())["eos_token_id"]
+        assert eos == json.loads((out / GENERATION_CONFIG).read_text())["eos_token_id"] and end_of_turn in eos
+        assert GENERATION_CONFIG in read_marker(checkpoint)["files"] and not checkpoint_damage(checkpoint)

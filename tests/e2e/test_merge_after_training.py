@@ -1,8 +1,9 @@
 """Merging real trained adapters with the command users run: `python merge_adapter.py` after training.
 
-Two training launches: LoRA under real FSDP1 on 2 CPU ranks (chatml, so the vocabulary grew), and QLoRA in one
-process (4-bit base, bf16 storage). Each adapter is merged by a plain subprocess; the merged folder is loaded with
-plain `AutoModelForCausalLM.from_pretrained` and its logits compared with PeftModel(base, adapter).
+Two training runs, read from the shared launches (tests/shared_runs.py): LoRA under real FSDP1 on 2 CPU ranks
+(chatml, so the vocabulary grew), and QLoRA in one process (4-bit base, bf16 storage). Each adapter is merged by a
+plain subprocess; the merged folder is loaded with plain `AutoModelForCausalLM.from_pretrained` and its logits
+compared with PeftModel(base, adapter).
 Tolerances: fp32 1e-5 absolute (rounding only; measured ~3e-6 on these logits of magnitude ~6). bf16: 5e-2 of the
 logit scale (merging rounds W + B@A to bf16 once while the reference adds the LoRA path at run time; measured ~1e-2),
 and the merged model must be closer to base+adapter than to the base by at least 2x.
@@ -17,16 +18,7 @@ import sys
 import torch
 from safetensors import safe_open
 
-from tests.helpers import (
-    QLORA_FLAGS,
-    REPO,
-    TRAIN_FLAGS,
-    free_port,
-    launch_env,
-    launch_train,
-    reference_and_merged_logits,
-    run_command,
-)
+from tests.helpers import REPO, free_port, launch_env, reference_and_merged_logits, run_command
 
 FP32_ATOL = 1e-5
 BF16_RELATIVE_TOLERANCE = 5e-2
@@ -46,11 +38,9 @@ def _check_ids(adapter_dir, base_rows):
     return tokenizer, torch.tensor([tokenizer("### User:\nWhat is the opposite of hot?")["input_ids"] + added])
 
 
-def test_fsdp1_lora_adapter_merges_after_training(tiny, tmp_path):
-    out, merged_dir = tmp_path / "fsdp1", tmp_path / "fsdp1-merged"
-    result = launch_train("cpu/fsdp_config.yaml", out, [
-        "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
-        "--chat_template_format", "chatml", *TRAIN_FLAGS])
+def test_fsdp1_lora_adapter_merges_after_training(tiny, shared_run, tmp_path):
+    result = shared_run("lora-fsdp1")  # chatml: the merge must carry the rows the run added
+    out, merged_dir = result.output_dir, tmp_path / "fsdp1-merged"
     assert result.returncode == 0, result.output[-6000:]
     how = result.record["distribution"]
     assert how["fsdp_version"] == 1 and how["wrapped_class"] == "FullyShardedDataParallel"
@@ -78,11 +68,9 @@ def test_fsdp1_lora_adapter_merges_after_training(tiny, tmp_path):
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in (eos if isinstance(eos, list) else [eos])
 
 
-def test_qlora_adapter_merges_into_the_bf16_base(tiny, tmp_path):
-    out, merged_dir = tmp_path / "qlora", tmp_path / "qlora-merged"
-    result = launch_train("cpu/single.yaml", out, [
-        "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
-        "--chat_template_format", "none", *TRAIN_FLAGS, *QLORA_FLAGS])
+def test_qlora_adapter_merges_into_the_bf16_base(shared_run, tmp_path):
+    result = shared_run("qlora-single")
+    out, merged_dir = result.output_dir, tmp_path / "qlora-merged"
     assert result.returncode == 0, result.output[-6000:]
     assert result.record["run"]["quantization"] == "4bit"  # train.py records it; the merge reads it
 

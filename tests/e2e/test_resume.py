@@ -5,8 +5,10 @@ LoRA on a 16/32-bit base resumes the same way elsewhere, so its cells here were 
 time): FSDP1 and FSDP2 in tests/e2e/test_families.py (a tied Qwen2, `latest`), FSDP2 after a signal in
 tests/e2e/test_faults.py, and across rank counts in tests/e2e/test_resume_other_ranks.py.
 
-The "interrupted" run is the uninterrupted run's own checkpoint-4 copied into a fresh output_dir and resumed with
-`--resume_from_checkpoint latest`, which must pick it (and skip a newer, incomplete checkpoint planted beside it).
+The uninterrupted runs are tests/e2e/test_train.py's QLoRA cells on FSDP1 and FSDP2 (tests/shared_runs.py: read, not
+launched again). The "interrupted" run is the uninterrupted run's own checkpoint-4 copied into a fresh output_dir
+and resumed with `--resume_from_checkpoint latest`, which must pick it (and skip a newer, incomplete checkpoint
+planted beside it).
 Both FSDP1 gaps of the current stack are exercised here: the adapter weights and the Adam moments used to be dropped.
 """
 
@@ -18,37 +20,28 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import QLORA_FLAGS, RELATIVE_TOLERANCE, launch_train
-
-FLAGS = ["--use_peft_lora", "True", "--lora_target_modules", "all-linear", "--lora_r", "8", "--lora_alpha", "16",
-         "--lora_dropout", "0", "--max_steps", "8", "--max_seq_len", "128", "--report_to", "none",
-         "--save_strategy", "steps", "--save_steps", "4", "--eval_strategy", "no", "--logging_steps", "1",
-         "--seed", "3", "--learning_rate", "3e-3", "--packing", "True", "--per_device_train_batch_size", "4"]
-SCENARIOS = {
-    "qlora-fsdp1": ("cpu/fsdp_config.yaml", QLORA_FLAGS),
-    "qlora-fsdp2": ("cpu/fsdp2_config.yaml", QLORA_FLAGS),
-}
+from tests.helpers import RELATIVE_TOLERANCE, launch_train
+from tests.shared_runs import SHARED_LAUNCHES
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_resume_matches_the_uninterrupted_run(name, tiny, tmp_path):
-    config, extra = SCENARIOS[name]
-    common = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir), *FLAGS, *extra]
-    full = launch_train(config, tmp_path / "full", common)
+@pytest.mark.parametrize("name", ["qlora-fsdp1", "qlora-fsdp2"])
+def test_resume_matches_the_uninterrupted_run(name, tiny, shared_run, tmp_path):
+    full = shared_run(name)  # tests/e2e/test_train.py's QLoRA cell, 8 steps with a checkpoint every 4
     assert full.returncode == 0, full.output[-5000:]
 
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
-    shutil.copytree(tmp_path / "full" / "checkpoint-4", resumed_dir / "checkpoint-4")
+    shutil.copytree(full.output_dir / "checkpoint-4", resumed_dir / "checkpoint-4")
     (resumed_dir / "checkpoint-6").mkdir()  # a save killed half-way: no completion marker, must be skipped
-    resumed = launch_train(config, resumed_dir, [*common, "--resume_from_checkpoint", "latest"])
+    launch = SHARED_LAUNCHES[name]
+    resumed = launch_train(launch.config, resumed_dir, [*launch.train_args(tiny), "--resume_from_checkpoint", "latest"])
     assert resumed.returncode == 0, resumed.output[-5000:]
 
     a, b = full.record["training"]["losses"], resumed.record["training"]["losses"]
     assert len(a) == len(b) == 8
     for step in range(4, 8):  # steps 5..8 were computed after the resume
         assert abs(a[step] - b[step]) <= RELATIVE_TOLERANCE * abs(a[step]), (step + 1, a, b)
-    final_a = load_file(str(tmp_path / "full" / "adapter_model.safetensors"))
+    final_a = load_file(str(full.output_dir / "adapter_model.safetensors"))
     final_b = load_file(str(resumed_dir / "adapter_model.safetensors"))
     assert final_a.keys() == final_b.keys()
     for key in final_a:

@@ -14,32 +14,22 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.helpers import QLORA_FLAGS, RELATIVE_TOLERANCE, TRAIN_FLAGS, launch_env, launch_train
+from tests.helpers import RELATIVE_TOLERANCE, launch_train
+from tests.shared_runs import SECRET_TOKEN, SHARED_LAUNCHES
 
-SECRET_TOKEN = "hf_testSECRETtoken0123456789"
-
-# name -> (accelerate config, dataset format folder, chat format, extra flags, expected wrapping)
+# shared run (tests/shared_runs.py: launch, data format, chat format, flags) -> expected wrapping
 SCENARIOS = {
-    "lora-single": ("cpu/single.yaml", "jsonl", "chatml", [], ("NO", None)),
-    "lora-fsdp1": ("cpu/fsdp_config.yaml", "disk", "chatml", [], ("FSDP", 1)),
-    "lora-fsdp2": ("cpu/fsdp2_config.yaml", "parquet", "zephyr", ["--assistant_only_loss", "True"], ("FSDP", 2)),
-    "qlora-single": ("cpu/single.yaml", "jsonl", "none", QLORA_FLAGS, ("NO", None)),
-    "qlora-fsdp1": ("cpu/fsdp_config.yaml", "text", "none", QLORA_FLAGS + ["--dataset_text_field", "content"],
-                    ("FSDP", 1)),
-    # FSDP2 keeps cpu_ram_efficient_loading on: QLoRA + chatml resize with non-main ranks loading on meta.
-    "qlora-fsdp2": ("cpu/fsdp2_config.yaml", "jsonl", "chatml", QLORA_FLAGS, ("FSDP", 2)),
-    # DoRA (guide note 5) on all three engines; QDoRA = DoRA over the 4-bit base.
-    "dora-single": ("cpu/single.yaml", "jsonl", "none", ["--use_dora", "True"], ("NO", None)),
-    "dora-fsdp1": ("cpu/fsdp_config.yaml", "jsonl", "chatml", ["--use_dora", "True"], ("FSDP", 1)),
-    "dora-fsdp2": ("cpu/fsdp2_config.yaml", "jsonl", "none", ["--use_dora", "True"], ("FSDP", 2)),
-    # QDoRA runs in one process; under FSDP it is refused (tests/unit/test_validate.py says why).
-    "qdora-single": ("cpu/single.yaml", "jsonl", "none", QLORA_FLAGS + ["--use_dora", "True"], ("NO", None)),
+    "lora-single": ("NO", None),
+    "lora-fsdp1": ("FSDP", 1),
+    "lora-fsdp2": ("FSDP", 2),
+    "qlora-single": ("NO", None),
+    "qlora-fsdp1": ("FSDP", 1),
+    "qlora-fsdp2": ("FSDP", 2),
+    "dora-single": ("NO", None),
+    "dora-fsdp1": ("FSDP", 1),
+    "dora-fsdp2": ("FSDP", 2),
+    "qdora-single": ("NO", None),
 }
-
-
-def _dataset_dir(tiny, fmt: str) -> str:
-    return str({"jsonl": tiny.jsonl_dir, "disk": tiny.disk_dir, "parquet": tiny.parquet_dir,
-                "text": tiny.text_dir}[fmt])
 
 
 def _mean(values):
@@ -63,15 +53,12 @@ def _logits_base_vs_adapter(model_dir, adapter_dir):
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_train_save_verify_reload(name, tiny, tmp_path):
-    config, fmt, chat_format, extra, (distributed_type, fsdp_version) = SCENARIOS[name]
-    out = tmp_path / name
-    env = launch_env()
-    env["HF_TOKEN"] = SECRET_TOKEN  # a logged-in user: the token must not leak into anything the run writes
-    result = launch_train(config, out, [
-        "--model_name_or_path", str(tiny.model_dir), "--dataset_name", _dataset_dir(tiny, fmt),
-        "--chat_template_format", chat_format, *TRAIN_FLAGS, *extra,
-    ], env=env)
+def test_train_save_verify_reload(name, tiny, shared_run):
+    distributed_type, fsdp_version = SCENARIOS[name]
+    launch = SHARED_LAUNCHES[name]
+    chat_format, use_dora = launch.flag("--chat_template_format"), launch.flag("--use_dora") == "True"
+    result = shared_run(name)  # launched with HF_TOKEN set: a logged-in user, whose token must leak into nothing
+    out = result.output_dir
     assert result.returncode == 0, result.output[-6000:]
     facts = result.record
 
@@ -117,7 +104,7 @@ def test_train_save_verify_reload(name, tiny, tmp_path):
     assert not (out / "adapter-FAILED-CHECK").exists()
     saved = json.loads((out / "adapter_config.json").read_text())
     assert saved["r"] == 8 and saved["peft_type"] == "LORA"
-    assert saved["use_dora"] == ("--use_dora" in extra)
+    assert saved["use_dora"] == use_dora
     if saved["use_dora"]:  # the learned magnitudes are part of the checked, reloaded adapter
         with safe_open(str(out / "adapter_model.safetensors"), framework="pt") as f:
             assert any("lora_magnitude_vector" in key for key in f.keys())
@@ -138,15 +125,12 @@ def test_train_save_verify_reload(name, tiny, tmp_path):
         assert "adapter keys needed the FSDP1 name fix" in result.output
 
 
-def test_checkpoint_adapters_are_verified_too(tiny, tmp_path):
+def test_checkpoint_adapters_are_verified_too(tiny, shared_run, tmp_path):
     """Every save that writes adapter files goes through the same checked save as the final adapter."""
     from sft_recipe.artifacts.adapter import check_adapter
 
-    out = tmp_path / "ckpt"
-    result = launch_train("cpu/single.yaml", out, [
-        "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
-        *TRAIN_FLAGS, "--save_strategy", "steps", "--save_steps", "4",
-    ])
+    result = shared_run("lora-single")  # a checkpoint every 4 of its 8 steps
+    out = result.output_dir
     assert result.returncode == 0, result.output[-6000:]
     for step in (4, 8):
         checkpoint = out / f"checkpoint-{step}"
@@ -161,10 +145,8 @@ def test_checkpoint_adapters_are_verified_too(tiny, tmp_path):
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
     shutil.copytree(out / "checkpoint-4", resumed_dir / "checkpoint-4")
-    resumed = launch_train("cpu/single.yaml", resumed_dir, [
-        "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
-        *TRAIN_FLAGS, "--save_strategy", "steps", "--save_steps", "4", "--resume_from_checkpoint", "latest",
-    ])
+    launch = SHARED_LAUNCHES["lora-single"]
+    resumed = launch_train(launch.config, resumed_dir, [*launch.train_args(tiny), "--resume_from_checkpoint", "latest"])
     assert resumed.returncode == 0, resumed.output[-6000:]
     a, b = result.record["training"]["losses"], resumed.record["training"]["losses"]
     for step in range(4, 8):
