@@ -2,11 +2,16 @@
 #   make demo   set up .venv, build the tiny model+data, train LoRA with real FSDP on 2 CPU processes, verify,
 #               reload the adapter and compare it with the base on held-out prompts
 #   make test   set up .venv and run the test suite
-#   make test-fast  the in-process unit tests alone (under 2 minutes); make lint  ruff over the tree
+#   make test-fast  the in-process unit tests alone (under a minute); make lint  ruff over the tree
+#   make coverage   the test suite under coverage.py, launched ranks included; prints the report (docs/testing.md)
+# TEST_WORKERS: pytest-xdist workers (default 2, the CI machine's cores); each test file runs on one worker, and the
+# launches tests share (tests/shared_runs.py) run once for all workers.
 PY := .venv/bin/python
 DEMO_DIR ?= runs/demo
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: setup tiny demo test test-fast lint
+.PHONY: setup tiny demo test test-fast coverage lint
 setup:
 	bash scripts/setup.sh
 
@@ -17,10 +22,16 @@ demo: tiny
 	bash scripts/demo.sh $(DEMO_DIR)
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PYTEST) tests
 
 test-fast: setup
-	$(PY) -m pytest -q -m unit tests
+	$(PYTEST) -m unit tests
+
+coverage: setup
+	rm -rf .coverage-data && mkdir .coverage-data
+	COVERAGE_FILE=$(CURDIR)/.coverage-data/.coverage $(PY) -m coverage run -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	COVERAGE_FILE=$(CURDIR)/.coverage-data/.coverage $(PY) -m coverage combine -q .coverage-data
+	COVERAGE_FILE=$(CURDIR)/.coverage-data/.coverage $(PY) -m coverage report
 
 lint: setup
 	$(PY) -m ruff check .
