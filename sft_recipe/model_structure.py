@@ -271,7 +271,7 @@ def _candidates(chosen: set[str], all_names: list[str], prefix: str) -> list[str
         out.append(mixed)
     if prefix:  # the language model's linears only (PEFT full-matches a string)
         out.append(rf"{re.escape(prefix)}\..*\.({'|'.join(leaves)})")
-    shapes = sorted({re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(n).replace(".", r"\.")) for n in chosen})
+    shapes = sorted({re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(n)) for n in chosen})  # escape() did the dots
     out.append("|".join(shapes))
     out.append("|".join(sorted(re.escape(n) for n in chosen)))
     return out

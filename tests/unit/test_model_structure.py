@@ -203,3 +203,19 @@ def test_lora_targets_of_a_path_are_resolved_once(tmp_path, monkeypatch):
     monkeypatch.setattr(model_shape, "meta_model", lambda *a: built.append(a) or real(*a))
     first = ms.lora_targets_of("all-linear", str(tmp_path))
     assert ms.lora_targets_of("all-linear", str(tmp_path)) is first and len(built) == 1
+
+
+def test_the_layer_shaped_pattern_matches_the_chosen_modules_in_every_layer_and_nothing_else():
+    """The third spelling of a choice is one full-match pattern with the layer number as \\d+. It escaped the dots
+    twice (re.escape, then by hand) and so matched nothing; the spelled-out fallback hid that."""
+    import re
+
+    chosen = {"model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj", "model.layers.0.mlp.up_proj"}
+    others = ["model.layers.0.self_attn.k_proj", "model.layers.1.mlp.down_proj", "lm_head"]
+    patterns = [c for c in ms._candidates(chosen, sorted(chosen) + others, prefix="") if isinstance(c, str)]
+    shaped = patterns[0]
+    assert shaped == r"model\.layers\.\d+\.mlp\.up_proj|model\.layers\.\d+\.self_attn\.q_proj"  # written by hand
+    for name in chosen | {"model.layers.7.self_attn.q_proj", "model.layers.12.mlp.up_proj"}:
+        assert re.fullmatch(shaped, name), name
+    for name in others + ["model.layers.0.self_attn.q_proj.lora_A", "model.layersX0.self_attn.q_proj"]:
+        assert not re.fullmatch(shaped, name), name
