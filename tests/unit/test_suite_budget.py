@@ -1,0 +1,88 @@
+"""The suite's own machinery (docs/testing.md): a shared run launches once for every worker and caller, a reader that
+writes into its folder is named at the end, and the launch table counts and keys launches as it says."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from tests import shared_runs
+from tests.helpers import RunResult
+from tests.launch_budget import is_recipe_launch, launch_key, summarise
+
+
+def _fake_launches(monkeypatch, calls: list):
+    """launch_train replaced by one that writes an adapter file and records its call: no process is started."""
+
+    def fake_launch_train(config, output_dir, args, env=None, launcher_args=()):
+        calls.append((config, args, env.get("HF_TOKEN")))
+        output_dir.mkdir(parents=True)
+        (output_dir / "adapter_model.safetensors").write_bytes(b"weights")
+        (output_dir / "run_record.json").write_text(json.dumps({"training": {"losses": [1.0, 0.5]}}))
+        return RunResult(0, "adapter check OK", output_dir)
+
+    monkeypatch.setattr(shared_runs, "launch_train", fake_launch_train)
+
+
+def _tiny(tmp_path):
+    return SimpleNamespace(**{f"{k}_dir": tmp_path / k for k in ("model", "jsonl", "disk", "parquet", "text")})
+
+
+def test_a_shared_run_launches_once_for_every_caller_and_every_worker(tmp_path, monkeypatch):
+    calls: list = []
+    _fake_launches(monkeypatch, calls)
+    root = tmp_path / "shared-runs"
+    first, second = shared_runs.SharedRuns(_tiny(tmp_path), root), shared_runs.SharedRuns(_tiny(tmp_path), root)
+    a, b, c = first("lora-fsdp1"), first("lora-fsdp1"), second("lora-fsdp1")  # `second`: another xdist worker
+    assert len(calls) == 1
+    config, args, token = calls[0]
+    assert config == "cpu/fsdp_config.yaml" and token == shared_runs.SECRET_TOKEN
+    assert args[args.index("--model_name_or_path") + 1] == str(tmp_path / "model")  # the tiny bundle's path filled in
+    assert args[args.index("--dataset_name") + 1] == str(tmp_path / "disk")
+    assert a.output_dir == b.output_dir == c.output_dir == root / "lora-fsdp1"
+    assert c.returncode == 0 and c.output == "adapter check OK" and c.record["training"]["losses"] == [1.0, 0.5]
+    assert first.changed() == [] and second.changed() == []
+
+
+def test_a_reader_that_writes_into_a_shared_folder_is_named(tmp_path, monkeypatch):
+    _fake_launches(monkeypatch, [])
+    runs = shared_runs.SharedRuns(_tiny(tmp_path), tmp_path / "shared-runs")
+    out = runs("qlora-single").output_dir
+    (out / "merged").mkdir()
+    (out / "merged" / "model.safetensors").write_bytes(b"a reader's file")
+    (changed,) = runs.changed()
+    assert changed.startswith("qlora-single:") and "merged/model.safetensors" in changed
+
+
+def test_every_shared_launch_names_its_engine_and_fills_every_path(tmp_path):
+    for name, launch in shared_runs.SHARED_LAUNCHES.items():
+        args = launch.train_args(_tiny(tmp_path))
+        assert (tmp_path / "model").as_posix() in args and not any("{" in a for a in args), name
+        assert (launch.config.startswith("cpu/") and launch.flag("--output_dir") is None), name  # the registry's
+
+
+def test_the_launch_key_leaves_out_where_a_run_writes_and_which_port_it_talks_on():
+    one = ["/v/bin/accelerate", "launch", "--config_file", "/work/main/configs/cpu/fsdp_config.yaml",
+           "--main_process_port", "40001", "train.py", "--output_dir", "/tmp/pytest-of-root/a/run",
+           "--model_name_or_path", "/tmp/pytest-of-root/p-1/tiny0/model", "--seed", "3"]
+    other = [w.replace("40001", "51234").replace("/a/run", "/b/other").replace("p-1", "p-2") for w in one]
+    assert launch_key(one) == launch_key(other)
+    assert launch_key(one) == "/v/bin/accelerate launch --config_file fsdp_config.yaml train.py --model_name_or_path " \
+                              "model --seed 3"
+    assert launch_key(one) != launch_key([*one[:-1], "4"])
+
+
+def test_the_table_counts_launches_per_file_and_names_the_repeats():
+    launch = ["accelerate", "launch", "train.py", "--seed", "3"]
+    records = [{"test": "tests/e2e/test_a.py::t1", "argv": launch, "recipe": True, "seconds": 10.0},
+               {"test": "tests/e2e/test_b.py::t2", "argv": launch, "recipe": True, "seconds": 12.0},
+               {"test": "tests/e2e/test_b.py::t3", "argv": [*launch[:-1], "4"], "recipe": True, "seconds": 11.0},
+               {"test": "tests/test_c.py::t4", "argv": ["bash", "-c", "true"], "recipe": False, "seconds": 0.5}]
+    lines = summarise(records)
+    assert lines[0] == "launches: 3 recipe launches in 33 s (2 distinct), 1 other processes in 0 s"
+    assert lines[2].split() == ["tests/e2e/test_b.py", "2", "23"] and lines[3].split() == ["tests/e2e/test_a.py", "1",
+                                                                                           "10"]
+    assert lines[4].startswith("launched more than once (1 repeats)") and "test_a.py::t1" in lines[5]
+    assert is_recipe_launch(["/v/bin/python", "tests/e2e/quantized_load_worker.py"])
+    assert is_recipe_launch(["bash", "run_peft_fsdp.sh"]) and is_recipe_launch(["python", "-m", "sft_recipe.plan"])
+    assert not is_recipe_launch(["bash", "scripts/setup_gptq.sh"]) and not is_recipe_launch(["git", "ls-files"])
