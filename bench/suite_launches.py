@@ -5,6 +5,9 @@ given two logs, the cells one has that the other lacks.
     .venv/bin/python bench/suite_launches.py /tmp/launches.json
     .venv/bin/python bench/suite_launches.py before.json after.json           (cells lost and gained)
 
+A cell counts as kept when a launch of the other log exercises it or a superset of it (the same program, engine and
+model, with every feature it has, and maybe more).
+
 A cell is what a launch exercises: the program (train.py, a worker, a run_peft*.sh script), the engine (the
 accelerate config, or a plain process), the model (its folder's name: the tiny Llama or a family), the method (LoRA,
 QLoRA, DoRA, QDoRA, 8-bit) and the features that take their own code path (chat format, new tokens, answer-only loss,
@@ -72,6 +75,12 @@ def cell_of(argv: list[str]) -> tuple[str, ...] | None:
     return (program, engine_of(argv), model, *sorted(features))
 
 
+def covers(cell: tuple[str, ...], other: tuple[str, ...]) -> bool:
+    """`cell` exercises what `other` does: the same program, engine and model, and every feature of `other` (a run
+    that also checkpoints or reports still runs every path of one that does not)."""
+    return cell[:3] == other[:3] and set(other[3:]) <= set(cell[3:])
+
+
 def read(path: str) -> list[dict]:
     return json.loads(Path(path).read_text())
 
@@ -106,8 +115,8 @@ def main(argv: list[str]) -> int:
             print("  " + " | ".join(cell))
         return 0
     after = read(argv[1])
-    lost = sorted(set(cells(before)) - set(cells(after)))
-    gained = sorted(set(cells(after)) - set(cells(before)))
+    lost = sorted(c for c in cells(before) if not any(covers(a, c) for a in cells(after)))
+    gained = sorted(c for c in cells(after) if not any(covers(b, c) for b in cells(before)))
     print(f"after: {sum(r['recipe'] for r in after)} recipe launches, {len(cells(after))} cells; "
           f"{len(lost)} cells lost, {len(gained)} gained")
     for label, rows in (("lost", lost), ("gained", gained)):

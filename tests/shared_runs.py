@@ -64,16 +64,15 @@ LOGGED_IN = {"HF_TOKEN": SECRET_TOKEN}
 # beside each (grep the name to find them all).
 SHARED_LAUNCHES: dict[str, SharedLaunch] = {
     # test_train; test_checkpoint_adapters_are_verified_too (its checkpoints and a resume from checkpoint-4)
-    # test_integrations (TensorBoard in one process)
-    "lora-single": SharedLaunch("cpu/single.yaml", _tiny("jsonl", "chatml", *CHECKPOINTS, *TENSORBOARD), LOGGED_IN),
+    "lora-single": SharedLaunch("cpu/single.yaml", _tiny("jsonl", "chatml", *CHECKPOINTS), LOGGED_IN),
     # test_train; test_merge_after_training (FSDP1 + chatml merge); test_generation_stops (sharded checkpoints);
     # test_integrations (TensorBoard under FSDP1)
     "lora-fsdp1": SharedLaunch("cpu/fsdp_config.yaml", _tiny("disk", "chatml", *CHECKPOINTS, *TENSORBOARD),
                                LOGGED_IN),
     "lora-fsdp2": SharedLaunch("cpu/fsdp2_config.yaml", _tiny("parquet", "zephyr", "--assistant_only_loss", "True"),
                                LOGGED_IN),
-    # test_train; test_merge_after_training (QLoRA merge into the bf16 base); test_integrations
-    "qlora-single": SharedLaunch("cpu/single.yaml", _tiny("jsonl", "none", *QLORA_FLAGS, *TENSORBOARD), LOGGED_IN),
+    # test_train; test_merge_after_training (QLoRA merge into the bf16 base)
+    "qlora-single": SharedLaunch("cpu/single.yaml", _tiny("jsonl", "none", *QLORA_FLAGS), LOGGED_IN),
     # test_train; test_resume (its checkpoint-4 resumed: exact on the 4-bit base)
     "qlora-fsdp1": SharedLaunch("cpu/fsdp_config.yaml", _tiny("text", "none", *QLORA_FLAGS, "--dataset_text_field",
                                                               "content", *CHECKPOINTS), LOGGED_IN),

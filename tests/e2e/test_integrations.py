@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from tests.helpers import launch_env, launch_train
+from tests.helpers import QLORA_FLAGS, REPO, launch_env, launch_train, run_command
 
-# The shared runs (tests/shared_runs.py) report to TensorBoard; DeepSpeed's is launched here.
-ZERO3_FLAGS = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "all-linear",
-               "--max_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "4", "--max_seq_len",
-               "128", "--save_strategy", "no", "--eval_strategy", "no", "--seed", "3", "--report_to", "tensorboard",
-               # DeepSpeed on CPU: gloo, fp32, and no ACCELERATE_USE_CPU (tests/test_deepspeed.py says why).
-               "--ddp_backend", "gloo", "--bf16", "False", "--chat_template_format", "none"]
-# engine -> (the shared run that reports to TensorBoard, or None: launched here; the record's engine)
+# The FSDP runs are shared (tests/shared_runs.py: they report to TensorBoard); the rest are launched here, 2 steps:
+# one process as a plain `python train.py` (no launcher), and DeepSpeed.
+FLAGS = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "all-linear",
+         "--max_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "4", "--max_seq_len", "128",
+         "--save_strategy", "no", "--eval_strategy", "no", "--seed", "3", "--report_to", "tensorboard"]
+# engine -> (the shared run, or the accelerate config (None: plain python) and flags of a launch here; the engine)
 ENGINES = {
-    "lora-one-process": ("lora-single", ("NO", None)),
-    "qlora-one-process": ("qlora-single", ("NO", None)),
+    "lora-one-process": ((None, ["--bf16", "False"]), ("NO", None)),
+    "qlora-one-process": ((None, QLORA_FLAGS), ("NO", None)),
     "lora-fsdp1": ("lora-fsdp1", ("FSDP", 1)),
     "qlora-fsdp2": ("qlora-fsdp2", ("FSDP", 2)),
-    "lora-deepspeed-zero3": (None, ("DEEPSPEED", None)),
+    # DeepSpeed on CPU: gloo, fp32, and no ACCELERATE_USE_CPU (tests/test_deepspeed.py says why).
+    "lora-deepspeed-zero3": (("cpu/deepspeed_config.yaml", ["--ddp_backend", "gloo", "--bf16", "False",
+                                                            "--chat_template_format", "none"]), ("DEEPSPEED", None)),
 }
 
 
@@ -29,14 +32,22 @@ def test_report_to_tensorboard_writes_its_event_files_in_output_dir(engine, tiny
     loss (one file: under FSDP and DeepSpeed rank 0 alone writes it)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    shared, (distributed_type, fsdp_version) = ENGINES[engine]
-    if shared:
-        result = shared_run(shared)
+    run, (distributed_type, fsdp_version) = ENGINES[engine]
+    if isinstance(run, str):
+        result = shared_run(run)
     else:
-        pytest.importorskip("deepspeed")
-        env = {k: v for k, v in launch_env(cpu_switch=False).items() if k != "TENSORBOARD_LOGGING_DIR"}
-        result = launch_train("cpu/deepspeed_config.yaml", tmp_path / engine, [
-            "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir), *ZERO3_FLAGS], env=env)
+        config, extra = run
+        if "deepspeed" in engine:
+            pytest.importorskip("deepspeed")
+        out = tmp_path / engine
+        env = {k: v for k, v in launch_env(cpu_switch="deepspeed" not in engine).items()
+               if k != "TENSORBOARD_LOGGING_DIR"}
+        data = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir)]
+        if config is None:
+            result = run_command([sys.executable, str(REPO / "train.py"), *data, "--output_dir", str(out), *FLAGS,
+                                  *extra], out, env=env)
+        else:
+            result = launch_train(config, out, [*data, *FLAGS, *extra], env=env)
     out = result.output_dir
     assert result.returncode == 0, result.output[-4000:]
     how = result.record["distribution"]
