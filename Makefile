@@ -27,11 +27,11 @@ test: setup
 test-fast: setup
 	$(PYTEST) -m unit tests
 
-coverage: setup
+coverage: setup  # the report is printed even when a test fails; the exit status is the tests'
 	rm -rf .coverage-data && mkdir .coverage-data
-	COVERAGE_FILE=$(CURDIR)/.coverage-data/.coverage $(PY) -m coverage run -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
-	COVERAGE_FILE=$(CURDIR)/.coverage-data/.coverage $(PY) -m coverage combine -q .coverage-data
-	COVERAGE_FILE=$(CURDIR)/.coverage-data/.coverage $(PY) -m coverage report
+	export COVERAGE_FILE=$(CURDIR)/.coverage-data/.coverage; \
+	$(PY) -m coverage run -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests; status=$$?; \
+	$(PY) -m coverage combine -q .coverage-data && $(PY) -m coverage report; exit $$status
 
 lint: setup
 	$(PY) -m ruff check .

@@ -106,7 +106,7 @@ def main(argv: list[str]) -> int:
     before = read(argv[0])
     recipe = [r for r in before if r["recipe"]]
     print(f"{len(recipe)} recipe launches, {sum(r['seconds'] or 0 for r in recipe):.0f} s; "
-          f"{len(cells(before))} train.py cells")
+          f"{len(cells(before))} cells (program x engine x model x features)")
     print(f"{'file':<52} {'launches':>8} {'seconds':>8}")
     for name, count, seconds in per_file(before):
         print(f"{name:<52} {count:>8} {seconds:>8.0f}")
