@@ -1,8 +1,8 @@
 """The launches tests share: each runs once per test session, on first use, and every test that needs it reads it.
 
-A launch of `train.py` costs ~15 s per process before its first step on the 2-core machine, and most of the suite's
-time is launches. A test that needs a trained adapter, a checkpoint, a log or a run record asks the `shared_run`
-fixture (tests/conftest.py) for a run of this table by name instead of launching its own:
+A launch of `train.py` costs 10-15 s on the 2-core machine (docs/testing.md: mostly the libraries' imports), and
+most of the suite's time is launches. A test that needs a trained adapter, a checkpoint, a log or a run record asks
+the `shared_run` fixture (tests/conftest.py) for a run of this table by name instead of launching its own:
 
     def test_the_adapter_merges(shared_run, tmp_path):
         run = shared_run("lora-fsdp1")      # RunResult: returncode, output, output_dir, record
