@@ -9,7 +9,8 @@
 PY := .venv/bin/python
 DEMO_DIR ?= runs/demo
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest $(PYTEST_ARGS)
 
 .PHONY: setup tiny demo test test-fast coverage lint
 setup:
@@ -30,7 +31,7 @@ test-fast: setup
 coverage: setup  # the report is printed even when a test fails; the exit status is the tests'
 	rm -rf .coverage-data && mkdir .coverage-data
 	export COVERAGE_FILE=$(CURDIR)/.coverage-data/.coverage; \
-	$(PY) -m coverage run -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests; status=$$?; \
+	$(PY) -m coverage run -m pytest $(PYTEST_ARGS) tests; status=$$?; \
 	$(PY) -m coverage combine -q .coverage-data && $(PY) -m coverage report; exit $$status
 
 lint: setup

@@ -1,7 +1,7 @@
 """The suite's launch budget: every process a test starts is counted and timed, and the suite ends with a table.
 
 A launch of the recipe (`accelerate launch`, `torchrun`, `python train.py`, a worker script, `bash run_peft*.sh`)
-costs ~14 s per process before its first step on the 2-core machine (imports, the tiny model, data), so the suite's
+costs 10-15 s before its first step on the 2-core machine (imports, the tiny model, data), so the suite's
 time is mostly its launches. This plugin (loaded by conftest.py) wraps `subprocess.Popen`, records each child's
 command, wall seconds and the test that started it, and prints at the end of the run:
 
@@ -26,7 +26,7 @@ import pytest
 
 _RECORDS: list[dict] = []
 _CURRENT_TEST = {"nodeid": "<collection>"}
-# The words that make a child process a launch of the recipe (its ~14 s start-up), rather than a cheap tool.
+# The words that make a child process a launch of the recipe (10-15 s of start-up, docs/testing.md), not a cheap tool.
 _RECIPE_WORDS = re.compile(r"(^|/)(train\.py|merge_adapter\.py|[a-z0-9_]+_worker\.py|accelerate|torchrun|"
                            r"run_peft[a-z0-9_]*\.sh)$")
 _PATHISH = re.compile(r"^/(tmp|work|root|home)/")
@@ -41,7 +41,8 @@ def is_recipe_launch(argv: list[str]) -> bool:
 
 
 def launch_key(argv: list[str]) -> str:
-    """What decides a launch's outputs: its words with paths, ports and process ids left out."""
+    """What decides a launch's outputs: its words, with the port and output folder left out and every path cut to its
+    last name (the tiny bundle of each worker lives elsewhere)."""
     words, skip = [], False
     for word in argv:
         if skip:
