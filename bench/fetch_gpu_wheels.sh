@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Download the wheels bench/gpu_check.sh installs on the lent GPU machine (Python 3.12 image with torch 2.11,
-# transformers 5.17, accelerate 1.15, peft; no trl/datasets/bitsandbytes), into bench/wheels/<set>/ (git-ignored):
-#   bash bench/fetch_gpu_wheels.sh [arrow|core|qlora|gptq|all]     (default: all) -- then prints each set's size
-# The device call carries at most 64 MiB (working tree + carried paths), so the wheels travel in sets, one per call
-# (installs persist on the machine while it stays warm; bench/gpu_check.sh --install_only installs what it was given):
-#   arrow  pyarrow and pillow (59 MiB): the first call, with gptq (2 MiB)
-#   core   the rest train.py needs beyond the image: trl, datasets and their deps, transformers/peft at the pinned
-#          versions (~37 MiB)
-#   qlora  bitsandbytes, slimmed to the CPU and CUDA 13 libraries the image's torch 2.11+cu130 loads (41 -> ~4 MiB)
-#   gptq   optimum + GPT-QModel (pure Python) for the GPTQ step
+# Download the wheels bench/gpu_check.sh installs on the lent GPU machine into bench/wheels/<set>/ (git-ignored):
+#   bash bench/fetch_gpu_wheels.sh [core|qlora|gptq|arrow|all]     (default: all = core, qlora, gptq) -- then sizes
+# The image (Python 3.12, torch 2.11+cu130, transformers 5.17, accelerate 1.15, pyarrow 25.0.1, pandas 3.0.6,
+# matplotlib 3.11.2, hf-xet, ...; no trl/datasets/bitsandbytes/httpx2; seen on the H200 2026-12-04) lacks only what
+# the sets below hold, so all three travel in one device call (~31 MiB with the working tree; the limit is 64):
+#   core   trl, datasets and their deps the image lacks, transformers/peft/tokenizers/huggingface_hub at the pinned
+#          versions, and huggingface_hub 2.x's own needs (httpx2, httpcore2, truststore, click, pydantic) (~24 MiB)
+#   qlora  bitsandbytes, slimmed to the CPU and CUDA 13 libraries the image's torch 2.11+cu130 loads (41 -> ~7 MiB)
+#   gptq   optimum + GPT-QModel (pure Python) for the GPTQ step, installed apart from the rest (gpu_check.sh)
+#   arrow  pyarrow and pillow (59 MiB), not in `all`: only for an image without pyarrow >= 24 (datasets 5.2's floor),
+#          carried in a call of its own with --install_only
 # --no-deps with an explicit list: letting pip resolve would pull a CUDA torch (GBs) for the image's Python.
 # Versions are this repo's pins (requirements.txt) and the versions its CPU venv resolved for their dependencies.
 set -euo pipefail
@@ -17,9 +18,9 @@ WHEELS=${WHEELS:-wheels}
 want=${1:-all}
 
 CORE=(trl==1.16.0 datasets==5.2.0 transformers==5.24.0 peft==0.21.2 tokenizers==0.23.3 huggingface_hub==2.4.0
-      pandas==3.1.1 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 typer==0.29.2 hf-xet==1.8.0
-      python-dateutil==4.0.0 tzdata==2026.6
-      matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1 pyparsing==3.3.3)  # loss_curve.png
+      dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 typer==0.29.2 fsspec==2026.9.0
+      httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 click==8.5.1 pydantic==2.14.4 pydantic_core==2.50.5
+      annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0 annotated-doc==0.0.7)
 ARROW=(pyarrow==26.0.1 pillow==13.0.0)  # pillow: matplotlib's, in case the image lacks it
 QLORA=(bitsandbytes==0.50.2)
 GPTQ_PURE=(optimum==2.3.0 threadpoolctl==3.8.0)
@@ -33,7 +34,7 @@ fetch() {  # fetch <set> <pins...>: binary wheels for CPython 3.12 on x86-64 Lin
     --platform manylinux_2_28_x86_64 --platform any -d "$WHEELS/$set" "$@"
 }
 
-if [[ $want == arrow || $want == all ]]; then fetch arrow "${ARROW[@]}"; fi
+if [[ $want == arrow ]]; then fetch arrow "${ARROW[@]}"; fi
 if [[ $want == core || $want == all ]]; then fetch core "${CORE[@]}"; fi
 if [[ $want == qlora || $want == all ]]; then
   fetch qlora "${QLORA[@]}"

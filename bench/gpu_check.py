@@ -1,11 +1,13 @@
 """Do the recipe's GPU paths work, and how fast? One call on one lent H200 (started by bench/gpu_check.sh).
 
 Each step is a real `accelerate launch` / launch-script run of train.py on an 8B-shaped random Llama (hidden 4096,
-MLP 14336, 32 heads / 8 KV heads, vocab 128256, GPU_CHECK_LAYERS decoder layers, default 4), sequence 2048, packing,
+MLP 14336, 32 heads / 8 KV heads, GPU_CHECK_LAYERS decoder layers, default 4; the embedding rows are the tiny
+tokenizer's, padded to 64, since train.py refuses a tokenizer that does not fit its model), sequence 2048, packing,
 gradient checkpointing, SDPA, the tiny chat data repeated, a few steps. Each is time-boxed and fails soft: a failure
 or timeout is a row in the table, and the next step runs. Steps:
     lora / lora+offload     FSDP2 on 1 process (configs/fsdp2_config.yaml --num_processes 1), CPU offload off / on;
-                            the base in bf16 (the recipe's default for LoRA under --bf16 True)
+                            the base in bf16 (the recipe's default for LoRA under --bf16 True); these four rows run
+                            through bench/train_probing_fused_head.py (where TRL's fused LM head finds its weight)
     lora-fp32base           lora with upstream's fp32 base (--torch_dtype float32): memory and tokens/s beside lora
     lora+actoffload         lora with TRL's --activation_offloading True
     lora-diverge            lora at --learning_rate 1e30: stops at the NaN step (exit 4), its step-3 save cancelled
@@ -72,7 +74,11 @@ def build_inputs() -> tuple[Path, Path]:
     model_dir, data_dir = WORK / "llama-8b-shape", WORK / "data"
     if not (model_dir / "config.json").exists():
         layers = int(os.environ.get("GPU_CHECK_LAYERS", "4"))
-        config = LlamaConfig(**LLAMA_8B, num_hidden_layers=layers, bos_token_id=1, eos_token_id=2)
+        # The embedding rows are the tiny tokenizer's, padded to 64: train.py refuses a tokenizer 10 % smaller than
+        # the embeddings (the wrong model's tokenizer), and the plan reads this same config, so the rows compare.
+        vocab = -(-len(AutoTokenizer.from_pretrained(str(tiny.model_dir))) // 64) * 64
+        config = LlamaConfig(**{**LLAMA_8B, "vocab_size": vocab}, num_hidden_layers=layers, bos_token_id=1,
+                             eos_token_id=2)
         torch.manual_seed(0)
         with torch.device("cuda"):  # random init on the GPU: seconds instead of minutes on the CPU
             model = LlamaForCausalLM(config).to(torch.bfloat16)
@@ -118,7 +124,9 @@ def steps(model: Path, data: Path) -> list[dict]:
         for offload in ("false", "true"):
             label = name + ("+offload" if offload == "true" else "")
             flags = common_flags(model, data, out / label) + extra
-            result.append(dict(name=label, cmd=launch + ["--fsdp_offload_params", offload, "train.py", *flags],
+            # Through the fused-head probe: where TRL's LM head found its weight (the offload rows' question).
+            result.append(dict(name=label, cmd=launch + ["--fsdp_offload_params", offload,
+                                                         "bench/train_probing_fused_head.py", *flags],
                                plan=plan + ["--fsdp_offload_params", offload, *flags], out=out / label))
             if SMOKE and label == "lora+offload":  # the same up-front refusal as qlora+offload: 8 s of suite time
                 result[-1] = dict(name=label, skip="smoke: refused on CPU like qlora+offload (offload needs a GPU)")
@@ -205,9 +213,14 @@ def gptq_step(model: Path, out: Path) -> dict:
     trainable kernel loads and trains on this GPU. Needs optimum + gptqmodel (bench/wheels/gptq)."""
     import importlib.util
 
-    missing = [m for m in ("optimum", "gptqmodel") if importlib.util.find_spec(m) is None]
+    # bench/gpu_check.sh installs them into their own folder, on this step's path alone (see its header: a
+    # gptqmodel that cannot import breaks PEFT in every other step).
+    site = REPO / "bench" / ".gpu-site-gptq"
+    missing = [m for m in ("optimum", "gptqmodel") if importlib.util.find_spec(m) is None and
+               not (site / m).is_dir()]
     if missing:
         return dict(name="gptq", skip=f"{' and '.join(missing)} not installed (carry bench/wheels/gptq)")
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
     base = WORK / "tiny-gptq"
     build = f"{sys.executable} -m sft_recipe.train.gptq --build_tiny {base} --source {WORK / 'tiny' / 'model'}"
     config = "configs/cpu/fsdp_config.yaml" if SMOKE else "configs/fsdp_config.yaml"
@@ -216,7 +229,8 @@ def gptq_step(model: Path, out: Path) -> dict:
              "--logging_steps", "1", "--dataset_name", str(WORK / "tiny" / "data" / "jsonl")]
     script = f"MODEL={base} OUTPUT_DIR={out / 'gptq'} ACCELERATE_CONFIG={config} NUM_PROCESSES=1 " \
              f"PATH={BIN}:$PATH bash run_peft_fsdp_gptq.sh " + " ".join(flags)
-    return dict(name="gptq", cmd=["bash", "-c", f"{build} && {script}"], plan=None, out=out / "gptq")
+    return dict(name="gptq", cmd=["bash", "-c", f"{build} && {script}"], plan=None, out=out / "gptq",
+                env={"PYTHONPATH": path})
 
 
 def predicted(plan_argv: list[str] | None) -> dict:
@@ -269,11 +283,16 @@ def run_step(step: dict, deadline: float) -> dict:
     # A configuration refusal exits 2 in one process; under the launcher every rank's 2 becomes the launcher's 1.
     refused = "configuration problem(s):" in output
     row["status"] = "ok" if code == 0 else ("refused" if refused else f"failed ({code})")
+    if probe := re.findall(r"fused head probe: (.*)", output):  # bench/train_probing_fused_head.py
+        row["fused_head"] = "; ".join(dict.fromkeys(probe))
+        row["note"] = f"fused head: {row['fused_head']}"  # a failure's reasons come first, below
     if code != 0:
         lines = [line.strip() for line in output.splitlines() if line.strip()]
         reasons = [line for line in lines if line.startswith("- ")] if refused else \
-            [line for line in lines if "Error" in line and not line.startswith("File ")][-2:] or lines[-3:]
-        row["note"] = " | ".join(dict.fromkeys(reasons))[-400:]
+            [line for line in lines if "Error" in line and "ChildFailedError" not in line  # the launcher's echo
+             and not line.startswith("File ")][-2:] or lines[-3:]
+        row["note"] = " | ".join(dict.fromkeys(reasons + ([f"fused head: {row['fused_head']}"]
+                                                          if "fused_head" in row else [])))[-400:]
     if step.get("expect") == "diverged":  # exit 4 on the rank (the launcher says 1), nothing saved from step 2 on
         stopped = re.search(r"training diverged at step (\d+)", output)
         saved = sorted(p.name for p in step["out"].glob("checkpoint-*"))
@@ -365,6 +384,14 @@ def main() -> int:
     header = (f"gpu_check on {device}: torch {torch.__version__}, transformers {transformers.__version__}, "
               f"python {sys.version.split()[0]}; logs in {OUT}")
     print(header, flush=True)
+    try:  # what every step imports: one row naming it beats every step failing the same way
+        import importlib
+
+        for module in ("bitsandbytes", "datasets", "huggingface_hub.hf_api", "peft", "trl"):
+            importlib.import_module(module)
+    except Exception as e:
+        print(render([{"step": "imports", "status": f"failed ({type(e).__name__}: {e})"}], header))
+        return 1
     try:
         model, data = build_inputs()
     except Exception as e:  # nothing can run without inputs; still print the table's reason

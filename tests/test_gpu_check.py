@@ -29,6 +29,10 @@ def test_gpu_check_smoke_prints_one_row_per_step(tmp_path):
         row = rows[name]
         assert (row["status"], row["adapter_check"]) == ("ok", "pass"), row
         assert row["tokens_per_second"] > 0 and row["plan_gib"] > 0 and row["peak_after_save_gib"] > 0, row
+    # The fused-head probe (bench/train_probing_fused_head.py) speaks from inside TRL's LM head on every lora/qlora
+    # row: on the GPU this line says where the offload rows' head weight was.
+    for name in ("lora", "qlora"):
+        assert re.search(r"weight \w+ on cpu \(\d+, \d+\), hidden states on cpu", rows[name]["fused_head"]), rows[name]
     assert rows["qlora+offload"]["status"] == "refused"
     assert "fsdp_offload_params: true on a CPU run" in rows["qlora+offload"]["note"]
     assert rows["lora+offload"]["status"] == "skipped"  # the same refusal; not launched twice in the smoke
