@@ -10,6 +10,11 @@
   seconds later (torch's default: 30 s; the run_peft_*.sh scripts raise it, see scripts/lib/launch_common.sh).
   A SIGINT that was ignored when the run started (a background job of a non-interactive shell, `nohup`) stays
   ignored.
+- SIGHUP (the terminal or ssh session closed) is SIGTERM's twin: exit 75, checkpoint, resume line. Output that went
+  to the closed terminal would fail from then on (EIO on every write, the progress bar's first), so the ranks whose
+  stdout/stderr was a terminal send both to HANGUP_LOG in output_dir, where the stop's lines land. Under a launcher
+  the terminal's SIGHUP reaches the launcher, which forwards it to every rank (torch elastic handles SIGHUP). A
+  SIGHUP ignored at start (`nohup`) stays ignored.
 - A non-finite loss or gradient norm on any rank (divergence.StepHealth): every rank stops at that step, nothing is
   saved, exit divergence.DIVERGED_EXIT_CODE.
 
@@ -34,7 +39,10 @@ INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for Ctrl-C
 # Written to output_dir by a preempted or interrupted run and removed when a later run finishes: the launcher
 # (torchrun) reports any failed rank as exit code 1, so wrappers (run_peft_*.sh) look for this file to exit 75 / 130.
 PREEMPTED_FILE = "preempted.json"
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+# Kept ignored when the run starts with them ignored: Ctrl-C in a background job, SIGHUP under `nohup`.
+KEPT_IF_IGNORED = (signal.SIGINT, signal.SIGHUP)
+HANGUP_LOG = "hangup.log"  # in output_dir: what a rank printed after its terminal closed
 
 
 class Preempted(Exception):
@@ -55,6 +63,7 @@ class StopAtStepEnd(TrainerCallback):
         self.diverged: tuple[int, float | None, float | None, str] | None = None  # step, loss, norm, where
         self._previous = {}
         self._pending: tuple[int, torch.Tensor, torch.cuda.Event] | None = None  # CUDA: the last step's flags
+        self._terminal_fds: list[int] = []  # of stdout/stderr, those that were a terminal at train begin
 
     # --- signals --------------------------------------------------------------------------------------------------
 
@@ -64,6 +73,8 @@ class StopAtStepEnd(TrainerCallback):
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
         self.signal_name = self.signal_name or name
+        if signum == signal.SIGHUP:
+            self._leave_the_closed_terminal()
         if signum == signal.SIGINT:
             grace = self.launcher_shutdown_timeout_s
             logger.warning("Ctrl-C: every rank finishes this step and writes a checkpoint, then the run exits 130 "
@@ -72,10 +83,37 @@ class StopAtStepEnd(TrainerCallback):
                                f" The launcher kills the ranks {grace} s after Ctrl-C (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)."
                                if grace is not None else ""))
 
+    def _leave_the_closed_terminal(self) -> None:
+        """Point this rank's terminal-bound stdout/stderr at output_dir/HANGUP_LOG (appended), then say why there."""
+        import os
+        import sys
+
+        if self._terminal_fds:
+            path = os.path.join(self.trainer.args.output_dir, HANGUP_LOG)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            except OSError as e:  # the folder is gone or full: the stop itself still goes ahead
+                fd = os.open(os.devnull, os.O_WRONLY)
+                path = f"nowhere ({e.strerror}: {path})"
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except OSError:  # what was buffered for the closed terminal is lost with it
+                    pass
+            for target in self._terminal_fds:
+                os.dup2(fd, target)
+            os.close(fd)
+        logger.warning("SIGHUP (the terminal or session closed): every rank finishes this step and writes a "
+                       "checkpoint, then the run exits 75 (resume with --resume_from_checkpoint latest)."
+                       + (f" This rank's output goes to {path} from here on." if self._terminal_fds else ""))
+
     def on_train_begin(self, args, state, control, **kwargs):
+        import os
+
+        self._terminal_fds = [fd for fd in (1, 2) if os.isatty(fd)]
         for sig in SIGNALS:
-            if sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN:
-                continue  # started with Ctrl-C ignored (nohup, a background job): keep it so
+            if sig in KEPT_IF_IGNORED and signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # started with Ctrl-C or SIGHUP ignored (a background job, nohup): keep it so
             self._previous[sig] = signal.signal(sig, self._on_signal)
             # Restart interrupted system calls: a signal landing inside a gloo/NCCL socket read must not turn into
             # an EINTR error in the collective (the handler only sets a flag).

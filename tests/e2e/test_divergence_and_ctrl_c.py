@@ -213,3 +213,86 @@ def test_ctrl_c_to_the_launch_scripts_process_group_checkpoints_every_rank(tiny,
     assert elapsed_s < 60, elapsed_s  # a tiny step and checkpoint: well inside the grace
     for part in ("pytorch_model_fsdp_0", "optimizer_0"):  # every rank's shards were written
         assert (checkpoint / part / ".metadata").is_file()
+
+
+# ------------------------------------------------------------------------------------------------- SIGHUP
+
+
+def _read_until(master_fd: int, pattern: str, timeout_s: float = 180) -> str:
+    """What the run wrote to its terminal, read from the pty's master side until `pattern` appears."""
+    import select
+
+    seen, deadline = b"", time.time() + timeout_s
+    while time.time() < deadline and re.search(pattern, seen.decode(errors="replace"), re.S) is None:
+        if select.select([master_fd], [], [], 0.5)[0]:
+            try:
+                chunk = os.read(master_fd, 65536)
+            except OSError:  # the child closed the terminal: it has exited
+                break
+            if not chunk:
+                break
+            seen += chunk
+    return seen.decode(errors="replace")
+
+
+def test_a_closed_terminal_checkpoints_exits_75_and_keeps_the_rest_of_the_output(tiny, tmp_path):
+    """`python train.py` in a terminal of its own (a pty; the run is its session leader, as under ssh), then the
+    terminal closes: the kernel sends SIGHUP, and every later write to the terminal would fail (EIO). The run ends
+    the step, checkpoints, exits 75, and what it said after the hangup is in output_dir/hangup.log."""
+    import pty
+
+    out = tmp_path / "run"
+    cmd = _train_cmd(tiny, out, "--learning_rate", "3e-3", "--max_steps", "2000", "--save_strategy", "no")
+    env = launch_env()
+    pid, master_fd = pty.fork()
+    if pid == 0:  # the child: the pty is its controlling terminal; SIGHUP at its default, as in a fresh login
+        try:
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)
+            os.chdir(REPO)
+            os.execve(cmd[0], cmd, env)
+        finally:
+            os._exit(127)
+    try:
+        before = _read_until(master_fd, r"'loss'.*'loss'.*'loss'")
+        assert before.count("'loss'") >= 3, before[-3000:]
+    finally:
+        os.close(master_fd)  # the terminal closes: SIGHUP to the session
+    deadline, status = time.time() + 120, None
+    while time.time() < deadline and status is None:
+        done, code = os.waitpid(pid, os.WNOHANG)
+        status = code if done else None
+        time.sleep(0.1)
+    if status is None:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    hangup_log = (out / "hangup.log").read_text() if (out / "hangup.log").exists() else ""
+    assert status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 75, (status, hangup_log[-3000:])
+    assert "SIGHUP (the terminal or session closed): every rank finishes this step" in hangup_log
+    match = re.search(r"stopped by SIGHUP after step (\d+); checkpoint saved to \S+\. Resume: run the same command "
+                      r"with --resume_from_checkpoint latest", hangup_log)
+    assert match and "Traceback" not in hangup_log, hangup_log[-3000:]
+    step = int(match.group(1))
+    assert [p.name for p in intact_checkpoints(out)] == [f"checkpoint-{step}"]
+    assert json.loads((out / "preempted.json").read_text())["signal"] == "SIGHUP"
+
+
+def test_sighup_to_the_launcher_checkpoints_every_rank(tiny, tmp_path):
+    """`accelerate launch` with 2 FSDP2 ranks gets the terminal's SIGHUP (the ranks run in sessions of their own):
+    torch elastic forwards it to each rank, and every rank finishes the step, checkpoints and exits 75. The launcher
+    itself ends with torch's SignalException (exit 1); the run_peft_*.sh scripts turn the note into 75."""
+    out = tmp_path / "run"
+    cmd = [os.path.join(bin_dir(), "accelerate"), "launch", "--config_file",
+           str(REPO / "configs" / "cpu" / "fsdp2_config.yaml"), "--main_process_port", str(free_port()),
+           *_train_cmd(tiny, out, "--learning_rate", "3e-3", "--max_steps", "2000", "--save_strategy", "no")[1:]]
+    proc, log = _start(cmd, tmp_path / "run.log")
+    wait_for_training(log, steps=2)
+    os.kill(proc.pid, signal.SIGHUP)  # the launcher: the terminal's session leader here
+    output = _finish(proc, log)
+    assert proc.returncode == 1 and "Sending process" in output and "closing signal SIGHUP" in output, output[-4000:]
+    assert "SIGHUP (the terminal or session closed): every rank finishes this step" in output
+    assert "stopped by SIGHUP after step" in output and "forcefully exiting" not in output, output[-4000:]
+    checkpoint = intact_checkpoints(out)[0]
+    assert json.loads((out / "preempted.json").read_text()) == {"signal": "SIGHUP", "global_step": int(
+        checkpoint.name.split("-")[1]), "checkpoint": checkpoint.name}
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):  # every rank's shards were written
+        assert (checkpoint / part / ".metadata").is_file()

@@ -7,6 +7,7 @@ import math
 import signal
 from types import SimpleNamespace
 
+import pytest
 import torch
 from transformers import TrainerControl, TrainerState
 
@@ -111,15 +112,38 @@ def test_ctrl_c_checkpoints_and_a_second_aborts(tmp_path):
     assert '"signal": "SIGINT"' in (tmp_path / "preempted.json").read_text()
 
 
-def test_an_ignored_sigint_is_left_ignored():
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP])  # a background job's Ctrl-C; nohup's SIGHUP
+def test_an_ignored_sigint_or_sighup_is_left_ignored(signum):
+    previous = signal.signal(signum, signal.SIG_IGN)
     try:
         stopper = StopAtStepEnd(_trainer(), None)
         stopper.on_train_begin(None, None, None)
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signum) is signal.SIG_IGN
         stopper.on_train_end(None, None, None)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signum, previous)
+
+
+def test_sighup_at_its_default_is_caught_and_stops_like_sigterm(tmp_path):
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        stopper = StopAtStepEnd(_trainer(), None)
+        stopper.on_train_begin(None, None, None)
+        assert signal.getsignal(signal.SIGHUP) == stopper._on_signal
+        stopper._terminal_fds = []  # pytest's own output is no terminal to leave
+        stopper._on_signal(signal.SIGHUP, None)
+        stopper.on_train_end(None, None, None)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert stopper.signal_name == "SIGHUP"
+    control = _step(stopper, 7)
+    assert control.should_save and control.should_training_stop  # the step ends, a checkpoint is written
+    stopper.trainer.state.global_step = 7
+    with pytest.raises(Preempted) as stop:
+        stopper.raise_if_stopped(str(tmp_path), lambda folder: [])
+    assert stop.value.exit_code == 75 and "stopped by SIGHUP after step 7" in str(stop.value)
+    assert '"signal": "SIGHUP"' in (tmp_path / "preempted.json").read_text()
 
 
 def test_the_message_names_step_value_rank_checkpoint_and_fix():
