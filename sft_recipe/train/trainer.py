@@ -28,7 +28,7 @@ from sft_recipe.artifacts.adapter import save_final_adapter
 from sft_recipe.artifacts.checkpoints import checkpoint_layout, intact_checkpoints, mark_complete
 from sft_recipe.artifacts.disk_full import guarded_save
 from sft_recipe.artifacts.gather import adapter_state_keys, fsdp1_sharded_adapter_state
-from sft_recipe.artifacts.resume_match import run_identity
+from sft_recipe.artifacts.resume_match import run_identity, saved_run
 from sft_recipe.artifacts.state_io import (
     OPTIMIZER_FILE,
     SCHEDULER_FILE,
@@ -45,6 +45,7 @@ from sft_recipe.errors import ConfigError
 from sft_recipe.measure import RssWatch, gpu_peak_gib, save_cost, unsharded_fsdp2_params, weight_mib
 from sft_recipe.train.divergence import StepHealth
 from sft_recipe.train.model import materialize_meta_parameters
+from sft_recipe.train.resume_settings import follow_changed_settings, group_settings, schedule_settings
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +121,10 @@ class RecipeSFTTrainer(SFTTrainer):
         self.weight_mib_after_load = weight_mib(self.model)
         # GPU memory from process start until now (load, LoRA layers), before FSDP wraps anything; None on CPU.
         self.gpu_peak_gib_after_load = gpu_peak_gib()
-        # What every checkpoint's marker records of this run (base, tokenizer size, LoRA shape), read before wrapping.
-        self.run_identity = run_identity(self.model, self.processing_class) if self.args.should_save else None
+        # What every checkpoint's marker records of this run (base, tokenizer size, LoRA shape, read before wrapping;
+        # the schedule's flags, said old -> new when a resume changes them).
+        self.run_identity = {**run_identity(self.model, self.processing_class),
+                             "schedule": schedule_settings(self.args)} if self.args.should_save else None
         materialize_meta_parameters(self.model)
         self.checkpoint_save_costs: list[dict] = []  # per checkpoint: seconds, added RSS per rank (run record)
         self.reshard_after_evaluation = ReshardAfterEvaluation()
@@ -273,8 +276,23 @@ class RecipeSFTTrainer(SFTTrainer):
         return result
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        if checkpoint is None or self.is_deepspeed_enabled:
+        if checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
+        # What this launch's flags built, before the checkpoint's hyperparameters replace it (resume_settings).
+        built = None if self.is_deepspeed_enabled else group_settings(self.optimizer)
+        if self.is_deepspeed_enabled:
+            super()._load_optimizer_and_scheduler(checkpoint)
+        else:
+            self._load_optimizer_and_scheduler_state(checkpoint)
+        followed, not_followed = follow_changed_settings(self.optimizer, self.lr_scheduler, self.args, built,
+                                                         (saved_run(checkpoint) or {}).get("schedule"))
+        if self.accelerator.is_main_process and followed:
+            logger.info(f"resume: this launch's settings replace the checkpoint's: {', '.join(followed)}")
+        if self.accelerator.is_main_process and not_followed:
+            logger.warning(f"resume under DeepSpeed: the engine restored the checkpoint's {', '.join(not_followed)}; "
+                           "these stay as saved (the learning rate follows the flag).")
+
+    def _load_optimizer_and_scheduler_state(self, checkpoint):
         if self.is_fsdp_enabled:
             plugin = self.accelerator.state.fsdp_plugin
             if plugin.fsdp_version == 1:
