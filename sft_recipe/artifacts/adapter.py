@@ -207,7 +207,9 @@ def _write_and_check(trainer, state_dict, output_dir: str, verify: bool, trust_r
         _write_generation_files(trainer, model, tmp, output_dir, trust_remote_code)
 
     if verify and isinstance(model, PeftModel):
-        report = check_adapter(str(tmp), trust_remote_code=trust_remote_code)
+        # lora_B all zeros is "never updated" only where a step ran at a rate above 0 (not after a warmup's first)
+        report = check_adapter(str(tmp), trained=getattr(trainer, "applied_a_nonzero_rate", True),
+                               trust_remote_code=trust_remote_code)
         report.adapter_dir = str(out)  # name the folder the user will look in, not the temporary one
         print(report.summary(), flush=True)
         if not report.ok:

@@ -82,9 +82,11 @@ class StepHealth:
 
 
 def divergence_message(step: int, loss: float | None, grad_norm: float | None, where: str, training_args,
-                       newest_checkpoint: str | None) -> str:
-    """One message: the step, the value (this rank's; `where`: which ranks saw one, "" in one process), the newest
-    intact checkpoint, the fix."""
+                       newest_checkpoint: str | None, passed_over: str | None = None) -> str:
+    """One message: the step, the value (this rank's; `where`: which ranks saw one, "" in one process), the
+    checkpoint to resume from (`newest_checkpoint`: the newest intact one whose weights trained a finite step after
+    it), the one passed over (`passed_over`: written right before the broken step, so its weights are the ones that
+    produced the non-finite value), the fix."""
     on = f" on {where}" if where else ""
     seen = [f"loss {loss}{on}"] if loss is not None else [f"a non-finite loss{on}"] if where else []
     seen += [f"gradient norm {grad_norm}"] if grad_norm is not None else []
@@ -97,8 +99,11 @@ def divergence_message(step: int, loss: float | None, grad_norm: float | None, w
         fixes.append(f"a lower --max_grad_norm (now {training_args.max_grad_norm:g})")
     if training_args.fp16:
         fixes.append("--bf16 True rather than --fp16 (a wider exponent)")
-    resume = (f"the newest intact checkpoint is {newest_checkpoint}: resume from it with the fix "
-              f"(--resume_from_checkpoint {newest_checkpoint})" if newest_checkpoint else
-              "no checkpoint was written before it: start again with the fix and --overwrite_output_dir True")
+    passed = (f"{passed_over} is intact but holds the weights that produced this step's non-finite value (a resume "
+              f"from it breaks again at once); " if passed_over else "")
+    resume = passed + (f"the newest checkpoint to resume from is {newest_checkpoint}: resume from it with the fix "
+                       f"(--resume_from_checkpoint {newest_checkpoint})" if newest_checkpoint else
+                       f"no {'earlier ' if passed_over else ''}checkpoint was written before it: start again with "
+                       "the fix and --overwrite_output_dir True")
     return (f"training diverged at step {step}: {what} ({precision}). Stopped there: nothing of the broken "
             f"state was saved; {resume}. Fix: {', or '.join(fixes)}.")

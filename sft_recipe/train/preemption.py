@@ -218,9 +218,13 @@ class StopAtStepEnd(TrainerCallback):
         `intact_checkpoints(output_dir)`: the intact checkpoints, newest first (artifacts.checkpoints)."""
         if self.diverged is not None:
             step, loss, grad_norm, where = self.diverged
-            newest = next(iter(intact_checkpoints(output_dir)), None)
-            raise Diverged(divergence_message(step, loss, grad_norm, where, self.trainer.args,
-                                              str(newest) if newest else None))
+            # The checkpoint written right before the broken step holds the weights that broke it (a 1e30 update is
+            # finite and saved, the next forward is not): name the newest one before that.
+            intact = [str(p) for p in intact_checkpoints(output_dir)]
+            step_of = {path: int(path.rsplit("-", 1)[-1]) for path in intact}
+            usable = next((path for path in intact if step_of[path] < step - 1), None)
+            passed_over = next((path for path in intact if step_of[path] == step - 1), None)
+            raise Diverged(divergence_message(step, loss, grad_norm, where, self.trainer.args, usable, passed_over))
         if self.stopped_at_step is None:
             return
         interrupted = self.signal_name == "SIGINT"

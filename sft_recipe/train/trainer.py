@@ -69,6 +69,19 @@ def unreadable(checkpoint, path, error: Exception) -> ResumeError:
                        f"{reason}). Fix: {fix}.")
 
 
+def _trained_at_rate_zero(checkpoint) -> bool:
+    """Every logged step of the checkpoint ran at learning rate 0 (a warmup's first step): its weights are the
+    initial ones, which this launch's model (same seed) already holds, so an unchanged checksum is no failed load."""
+    import json
+
+    try:
+        history = json.loads(open(os.path.join(checkpoint, "trainer_state.json")).read())["log_history"]
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable: the checksum's verdict stands
+        return False
+    rates = [entry["learning_rate"] for entry in history if "learning_rate" in entry]
+    return bool(rates) and not any(rates)
+
+
 class ReshardAfterEvaluation(TrainerCallback):
     """Under FSDP2, put every unit back to its shard once an evaluation ends.
 
@@ -132,8 +145,13 @@ class RecipeSFTTrainer(SFTTrainer):
         # Every micro-batch loss and step gradient norm, watched for non-finite values (divergence.py; read at the
         # step end by preemption.StopAtStepEnd). fp16's GradScaler skips steps with non-finite gradients itself.
         self.step_health = StepHealth(scaler_in_use=getattr(self.accelerator, "scaler", None) is not None)
+        # Whether an optimizer step of this launch ran at a rate above 0: a warmup's first step runs at 0, so a
+        # checkpoint after it holds lora_B still zero, which the adapter check must not call "never updated".
+        self.applied_a_nonzero_rate = False
 
     def training_step(self, *args, **kwargs):
+        if not self.applied_a_nonzero_rate and self.lr_scheduler is not None:
+            self.applied_a_nonzero_rate = any(rate > 0 for rate in self.lr_scheduler.get_last_lr())
         loss = super().training_step(*args, **kwargs)
         self.step_health.observe_loss(loss)
         return loss
@@ -268,7 +286,7 @@ class RecipeSFTTrainer(SFTTrainer):
             result = super()._load_from_checkpoint(resume_from_checkpoint, model)
         except Exception as e:  # "size mismatch for ..." (another LoRA shape), a damaged adapter file
             raise unreadable(resume_from_checkpoint, "its model/adapter weights", e) from None
-        if trainable_checksum(self.accelerator, target) == before:
+        if trainable_checksum(self.accelerator, target) == before and not _trained_at_rate_zero(resume_from_checkpoint):
             raise ResumeError(
                 f"resuming from {resume_from_checkpoint} loaded no trainable weights: training would silently "
                 "restart from fresh LoRA weights. The checkpoint may come from another model/adapter config, or "

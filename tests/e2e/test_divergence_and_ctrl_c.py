@@ -62,7 +62,8 @@ def _finish(proc, log, timeout_s: float = 240) -> str:
 
 def test_divergence_stops_at_the_step_and_saves_nothing_of_it(tiny, tmp_path):
     """lr 1e30: step 1 is finite, its update makes step 2's loss NaN. A checkpoint every step: checkpoint-1 stays
-    (intact, named as the one to resume from); the step-2 save, the final adapter and any later step never happen."""
+    (intact, but its weights are the ones that broke step 2: passed over, and no earlier one exists); the step-2
+    save, the final adapter and any later step never happen."""
     out = tmp_path / "run"
     proc, log = _start(_train_cmd(tiny, out, "--learning_rate", "1e30", "--max_steps", "6", "--save_strategy",
                                   "steps", "--save_steps", "1"), tmp_path / "run.log")
@@ -72,7 +73,9 @@ def test_divergence_stops_at_the_step_and_saves_nothing_of_it(tiny, tmp_path):
     assert match, output[-3000:]
     step = int(match.group(1))
     assert step >= 2 and "loss nan" in match.group(2)
-    assert f"resume from it with the fix (--resume_from_checkpoint {out / f'checkpoint-{step - 1}'})" in output
+    assert f"{out / f'checkpoint-{step - 1}'} is intact but holds the weights that produced this step's " \
+           "non-finite value" in output
+    assert "no earlier checkpoint was written before it: start again with the fix" in output
     assert "Fix: a lower --learning_rate (now 1e+30)" in output
     assert "Traceback" not in output
     assert [p.name for p in intact_checkpoints(out)][0] == f"checkpoint-{step - 1}"
@@ -84,6 +87,30 @@ def test_divergence_stops_at_the_step_and_saves_nothing_of_it(tiny, tmp_path):
     record = json.loads((out / "run_record.json").read_text())
     assert math.isnan(record["training"]["losses"][-1]) and record["training"]["global_steps"] == step
     assert (out / "loss_curve.png").is_file()
+
+
+def test_the_stops_advice_run_as_printed_finishes(tiny, tmp_path):
+    """lr 1e30 after a 3-step linear warmup: step 1 trains at rate 0, step 2 at 3.3e29 (finite weights, saved as
+    checkpoint-2), step 3 is NaN. The message passes over checkpoint-2 and names checkpoint-1; the same command with
+    that --resume_from_checkpoint and the fix it proposes (a lower --learning_rate) trains to the end."""
+    out = tmp_path / "run"
+    command = _train_cmd(tiny, out, "--learning_rate", "1e30", "--warmup_steps", "3", "--max_steps", "6",
+                         "--save_strategy", "steps", "--save_steps", "1")
+    proc, log = _start(command, tmp_path / "run.log")
+    output = _finish(proc, log)
+    assert proc.returncode == 4, output[-3000:]
+    assert "training diverged at step 3" in output
+    assert f"{out / 'checkpoint-2'} is intact but holds the weights that produced this step's non-finite value" \
+        in output, output[-3000:]
+    match = re.search(r"resume from it with the fix \(--resume_from_checkpoint (\S+)\)", output)
+    assert match and match.group(1) == str(out / "checkpoint-1"), output[-3000:]
+    proc, log = _start([*command, "--resume_from_checkpoint", match.group(1), "--learning_rate", "1e-3"],
+                       tmp_path / "resumed.log")
+    output = _finish(proc, log)
+    assert proc.returncode == 0, output[-3000:]
+    assert "resume: this launch's settings replace the checkpoint's: --learning_rate 1e+30 -> 0.001" in output
+    record = json.loads((out / "run_record.json").read_text())
+    assert record["training"]["global_steps"] == 6 and all(map(math.isfinite, record["training"]["losses"][1:]))
 
 
 def _poison_one_row(tiny, tmp_path):

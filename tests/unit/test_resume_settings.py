@@ -84,3 +84,17 @@ def test_under_deepspeed_the_rate_follows_and_the_rest_is_named_as_kept():
     assert followed == ["--learning_rate 0.003 -> 0.001"]
     assert not_followed == ["--weight_decay 0.1 -> 0.2"]
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+
+
+@pytest.mark.parametrize("rates,expected", [([0.0], True), ([0.0, 0.0], True), ([0.0, 1e-3], False), ([], False),
+                                            (None, False)])
+def test_a_checkpoint_trained_only_at_rate_zero_holds_the_initial_weights(rates, expected, tmp_path):
+    """Such a checkpoint's adapter equals a fresh one (same seed): its resume is no failed load (trainer.py)."""
+    import json
+
+    from sft_recipe.train.trainer import _trained_at_rate_zero
+
+    if rates is not None:
+        history = [{"step": i + 1, "learning_rate": rate, "loss": 7.0} for i, rate in enumerate(rates)]
+        (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    assert _trained_at_rate_zero(str(tmp_path)) is expected

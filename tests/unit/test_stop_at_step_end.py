@@ -158,6 +158,28 @@ def test_the_message_names_step_value_rank_checkpoint_and_fix():
     assert "loss inf (bf16)" in fresh and "--overwrite_output_dir True" in fresh and "--fp16" not in fresh
 
 
+@pytest.mark.parametrize("intact,named,passed_over", [
+    (["checkpoint-4", "checkpoint-2"], "checkpoint-2", "checkpoint-4"),  # 4's weights made step 5's NaN
+    (["checkpoint-3", "checkpoint-2"], "checkpoint-3", None),  # 3's weights trained step 4 finitely
+    (["checkpoint-4"], None, "checkpoint-4"),  # nothing usable: start again
+])
+def test_the_checkpoint_named_is_one_whose_weights_trained_a_finite_step(intact, named, passed_over, tmp_path):
+    from sft_recipe.train.divergence import Diverged
+
+    stopper = StopAtStepEnd(_trainer(), StepHealth(scaler_in_use=False))
+    stopper.diverged = (5, float("nan"), float("nan"), "")
+    with pytest.raises(Diverged) as stop:
+        stopper.raise_if_stopped(str(tmp_path), lambda folder: [f"{folder}/{name}" for name in intact])
+    text = str(stop.value)
+    if named:
+        assert f"the newest checkpoint to resume from is {tmp_path}/{named}: resume from it with the fix " \
+               f"(--resume_from_checkpoint {tmp_path}/{named})" in text
+    else:
+        assert "no earlier checkpoint was written before it: start again with the fix" in text
+    assert (f"{tmp_path}/{passed_over} is intact but holds the weights that produced this step's non-finite value"
+            in text) == bool(passed_over)
+
+
 def test_the_log_shows_nan_losses_by_default(tiny):
     from sft_recipe.config.args import parse_args
     from sft_recipe.config.launch_env import LaunchEnv
