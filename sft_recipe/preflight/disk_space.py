@@ -25,6 +25,7 @@ from pathlib import Path
 
 from sft_recipe.artifacts.checkpoints import checkpoints, resolve_resume
 from sft_recipe.artifacts.disk_full import free_bytes
+from sft_recipe.errors import check_not_run
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def tokenizer_file_bytes(model_name_or_path: str) -> list[int]:
 
         found = [try_to_load_from_cache(model_name_or_path, name) for name in TOKENIZER_NAMES]
         return [os.path.getsize(p) for p in found if isinstance(p, str)]
-    except Exception:  # no cache, an odd id: the estimate goes without them
+    except (OSError, ValueError):  # no cache, an invalid repo id (HFValidationError): the estimate goes without them
         return []
 
 
@@ -268,8 +269,8 @@ def disk_space_problems(m, d, t, launch) -> list[str]:
     where, free = free_bytes(t.output_dir)
     try:
         estimate = estimate_writes(m, d, t, launch, _block_bytes(where))
-    except Exception as e:  # an architecture the planner cannot count, an unreadable config (reported elsewhere)
-        logger.info(f"disk space not estimated ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    except Exception as e:  # noqa: BLE001 -- an architecture the planner cannot count, an unreadable config: said
+        check_not_run(f"the disk-space check of --output_dir {t.output_dir}", e)
         return []
     out, strategy = t.output_dir, _strategy(t)
     has = f"{free:,} bytes are free on its disk ({where})"

@@ -6,6 +6,7 @@ import logging
 
 from sft_recipe.config.args import DataTrainingArguments, ModelArguments
 from sft_recipe.config.launch_env import LaunchEnv
+from sft_recipe.errors import check_not_run
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ def zero3_quantized_load_problems(m: ModelArguments, d: DataTrainingArguments, t
         from sft_recipe.plan.planner import plan_memory
 
         plan = plan_memory(m, d, t, launch.accelerate_config(), None, gpu_bytes / GIB, "cuda", ladder=False)
-    except Exception:  # the model path is checked (and named) elsewhere; this check needs its config
+    except Exception as e:  # noqa: BLE001 -- said; a bad model path is named by the model-path checks
+        check_not_run("the QLoRA + ZeRO-3 load-memory check", e)
         return []
     need = plan.phases["load"]
     if need <= gpu_bytes:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 
 from sft_recipe.config.launch_env import LaunchEnv
+from sft_recipe.errors import check_not_run
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +211,8 @@ def tokenizer_flag_problems(m, t) -> list[str]:
         from sft_recipe.train.model import load_tokenizer
 
         vocab = load_tokenizer(m, t.trust_remote_code).get_vocab()
-    except Exception:
+    except Exception as e:  # noqa: BLE001 -- said; a missing tokenizer is named by the file checks
+        check_not_run("the --eos_token/--pad_token check", e)
         return []
     fixes = {"eos_token": "drop --eos_token (the tokenizer's own EOS; <|im_end|> with --chat_template_format chatml)",
              "pad_token": "drop --pad_token (the recipe pads with the tokenizer's pad token, or its EOS where it has "
@@ -225,7 +227,8 @@ def _read_config(m, t):
         from sft_recipe.model_shape import read_config
 
         return read_config(m.model_name_or_path, t.trust_remote_code)
-    except Exception:
+    except Exception as e:  # noqa: BLE001 -- said; validate names an unreadable config as a problem
+        check_not_run("the checks that read the model's config (quantized checkpoint, positions)", e)
         return None
 
 
@@ -241,7 +244,8 @@ def quantized_checkpoint_problems(m, config) -> list[str]:
         from transformers.quantizers.auto import AutoHfQuantizer
 
         quantizer = AutoHfQuantizer.from_config(config.quantization_config, pre_quantized=True)
-    except Exception:  # a method this transformers does not know: from_pretrained names it
+    except Exception as e:  # noqa: BLE001 -- a method this transformers does not know: from_pretrained names it
+        check_not_run("the pre-quantized checkpoint check", e)
         return []
     trainable, qat = quantizer.is_trainable, getattr(quantizer, "is_qat_trainable", False)
     trainable = trainable() if callable(trainable) else trainable
@@ -309,7 +313,8 @@ def position_problems(m, t, config) -> list[str]:
         return []  # within what the rope scaling extends the positions to
     try:
         kind = _position_kind(m, t, positions)
-    except Exception:  # the config was read but the model cannot be built: from_pretrained will say why
+    except Exception as e:  # noqa: BLE001 -- the config was read but the model cannot be built: said
+        check_not_run(f"the --max_seq_len {t.max_length} position check", e)
         return []
     if kind == "learned":
         return [f"--max_seq_len {t.max_length}: {type(config).__name__} learns one position embedding per position "

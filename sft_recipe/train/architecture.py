@@ -14,6 +14,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from sft_recipe.config.args import ModelArguments
+from sft_recipe.errors import check_not_run
 from sft_recipe.model_structure import (
     LoraTargets,
     fused_expert_parameters,
@@ -86,7 +87,8 @@ def target_parameter_problems(model_args: ModelArguments, trust_remote_code: boo
                         "dropout).")
     try:
         fused = fused_expert_parameters(_meta(model_args.model_name_or_path, trust_remote_code))
-    except Exception:  # the model path is checked and named elsewhere
+    except Exception as e:  # noqa: BLE001 -- said; the problems found above stand
+        check_not_run("the --lora_target_parameters check", e)
         return problems
     unknown = [n for n in names if not any(f == n or f.endswith("." + n) for f in fused)]
     if unknown:
@@ -101,7 +103,8 @@ def rewritten_target_problems(model_args: ModelArguments, trust_remote_code: boo
     (transformers-4 expert names such as gate_proj on DeepSeek-V3), which then refuse a dropout."""
     try:
         rewritten = lora_targets(model_args, trust_remote_code).rewritten
-    except Exception:  # the model path is checked and named elsewhere
+    except Exception as e:  # noqa: BLE001 -- said
+        check_not_run("the expert-name check of --lora_target_modules", e)
         return []
     if not rewritten or model_args.lora_dropout == 0:
         return []
@@ -117,14 +120,20 @@ def architecture_problems(model_args: ModelArguments, t, launch=None) -> list[st
     trust_remote_code = bool(getattr(t, "trust_remote_code", False))
     if (problem := unbuildable_problem(model_args, trust_remote_code)) is not None:
         return [problem]
-    try:
-        problems = [p for p in [flash_attention_problem(model_args, trust_remote_code),
-                                tied_training_problem(model_args, trust_remote_code, launch)] if p]
-        from sft_recipe.train.family_rules import family_problems
+    from sft_recipe.train.family_rules import family_problems
 
-        problems += family_problems(model_args, t, _meta(model_args.model_name_or_path, trust_remote_code))
-    except Exception:  # an unreadable config is named by the model-path checks
-        return []
+    checks = (("the flash-attention check", lambda: flash_attention_problem(model_args, trust_remote_code)),
+              ("the tied-embedding check", lambda: tied_training_problem(model_args, trust_remote_code, launch)),
+              ("the model family's rules", lambda: family_problems(
+                  model_args, t, _meta(model_args.model_name_or_path, trust_remote_code))))
+    problems = []
+    for name, check in checks:  # each on its own: one that cannot run takes no other's findings with it
+        try:
+            found = check()
+        except Exception as e:  # noqa: BLE001 -- said, by name
+            check_not_run(name, e)
+            continue
+        problems += [found] if isinstance(found, str) else list(found or [])
     return problems + target_parameter_problems(model_args, trust_remote_code)
 
 

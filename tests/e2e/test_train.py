@@ -60,6 +60,7 @@ def test_train_save_verify_reload(name, tiny, shared_run):
     result = shared_run(name)  # launched with HF_TOKEN set: a logged-in user, whose token must leak into nothing
     out = result.output_dir
     assert result.returncode == 0, result.output[-6000:]
+    assert "could not run" not in result.output  # every pre-load check ran (sft_recipe.errors.check_not_run)
     facts = result.record
 
     # It ran the way the config says, and FSDP really wrapped the model (accelerate can silently run DDP on CPU).
