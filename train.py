@@ -68,9 +68,6 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
         print_memory_plan_and_exit(model_args, data_args, recipe_args, training_args, launch)
     take_run_hold(training_args.output_dir, launch)  # one run per output_dir: before anything in it is moved
     resume_from = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)[0]
-    move_damaged_aside(training_args.output_dir, resume_from, launch.is_main_process)  # not written over by this run
-    if recipe_args.overwrite_output_dir and not resume_from and launch.is_main_process:
-        move_previous_run_aside(training_args.output_dir)
     transformers.set_seed(training_args.seed)
 
     # 2. Tokenizer (it carries the chat template the data needs) and data: format recognised, every row checked,
@@ -86,6 +83,11 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
     report = measure_report(data, tokenizer, training_args) if launch.is_main_process else None
     if data_args.preview_examples:  # show what is trained (loss-carrying tokens marked) and the report, then exit
         print_preview_and_exit(data, report, tokenizer, training_args, data_args.preview_examples, launch)
+    # Every refusal that comes before the weights is behind us (exit 2 changes nothing in output_dir): only now are
+    # damaged checkpoints and, with --overwrite_output_dir, the previous run moved aside (never deleted).
+    move_damaged_aside(training_args.output_dir, resume_from, launch.is_main_process)  # not written over by this run
+    if recipe_args.overwrite_output_dir and not resume_from and launch.is_main_process:
+        move_previous_run_aside(training_args.output_dir)
     # One block in the log + output_dir/data_report.json.
     data_report.publish(report, training_args.output_dir, launch.is_main_process)
     datasets = data.tokenized  # TRL finds them tokenized: it only cuts or packs them

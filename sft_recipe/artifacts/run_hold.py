@@ -137,8 +137,9 @@ def gone_because(holder: Holder | None, heartbeat_age_s: float, me: Holder,
 class RunHold:
     """A hold this process has taken: refreshed by a heartbeat thread until `release()`."""
 
-    def __init__(self, path: Path, holder: Holder, taken_over: str | None = None):
+    def __init__(self, path: Path, holder: Holder, taken_over: str | None = None, created_folder: bool = False):
         self.path, self.holder, self.taken_over = path, holder, taken_over  # taken_over: the line logged, if any
+        self.created_folder = created_folder  # output_dir did not exist before this hold: removed again if empty
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -168,6 +169,11 @@ class RunHold:
             self._thread.join(timeout=5)
         if self._still_ours():
             self.path.unlink(missing_ok=True)
+        if self.created_folder:  # a refused launch leaves no empty output_dir behind (exit 2 changes nothing)
+            try:
+                self.path.parent.rmdir()
+            except OSError:  # not empty (the run wrote something) or gone: nothing to undo
+                pass
 
 
 def _read(path: Path) -> tuple[Holder | None, bytes | None]:
@@ -233,6 +239,7 @@ def acquire(output_dir: str | os.PathLike, environ: dict | None = None, stale_af
     from sft_recipe.errors import ConfigError
 
     root = Path(output_dir)
+    created = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
     path = root / HOLD_FILE
     me = this_process(environ)
@@ -247,7 +254,7 @@ def acquire(output_dir: str | os.PathLike, environ: dict | None = None, stale_af
     try:
         for _ in range(_TAKEOVER_ATTEMPTS):
             if _create(tmp, path, content):
-                hold = RunHold(path, me, taken_over)
+                hold = RunHold(path, me, taken_over, created_folder=created)
                 if taken_over:
                     logger.warning(taken_over)
                 if heartbeat_interval_s:
