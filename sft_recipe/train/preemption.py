@@ -62,7 +62,10 @@ class StopAtStepEnd(TrainerCallback):
         self.stopped_at_step: int | None = None
         self.diverged: tuple[int, float | None, float | None, str] | None = None  # step, loss, norm, where
         self._previous = {}
-        self._pending: tuple[int, torch.Tensor, torch.cuda.Event] | None = None  # CUDA: the last step's flags
+        self._pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None  # the last step's flags
+        # Read each step's flags one step late (CUDA: no wait for the step's kernels). None: on CUDA devices only;
+        # the unit tests set it on CPU so that the lag logic runs in the CPU suite.
+        self.read_lagged: bool | None = None
         self._terminal_fds: list[int] = []  # of stdout/stderr, those that were a terminal at train begin
 
     # --- signals --------------------------------------------------------------------------------------------------
@@ -176,16 +179,27 @@ class StopAtStepEnd(TrainerCallback):
         without blocking, and the previous step's copy (finished a step ago) is read -- unless this step logs,
         evaluates or saves (those wait for the device anyway): then this step's flags are read at once, so a broken
         state is never saved."""
-        if flags.device.type != "cuda":
+        lagged = flags.device.type == "cuda" if self.read_lagged is None else self.read_lagged
+        if not lagged:
             return tuple(int(x) for x in flags.tolist()), step
-        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-        host.copy_(flags, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        if flags.device.type == "cuda":
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = flags.clone(), None
         previous, self._pending = self._pending, (step, host, event)
         older = self._values(previous)
         if older is not None and any(older[0]):
-            return older
+            # A stop was asked (or a NaN seen) a step ago, and this step's own flags are still in flight: read them
+            # before anything is saved, so that a NaN at this step is never checkpointed as a preemption.
+            pending, self._pending = self._pending, None
+            current = self._values(pending)
+            if any(older[0][2:]):  # the older step diverged: that is the step to report
+                return older
+            signals = tuple(max(a, b) for a, b in zip(older[0][:2], current[0][:2]))
+            return signals + current[0][2:], current[1]
         if must_read_now:
             pending, self._pending = self._pending, None
             return self._values(pending)
@@ -196,7 +210,8 @@ class StopAtStepEnd(TrainerCallback):
         if pending is None:
             return None
         step, host, event = pending
-        event.synchronize()
+        if event is not None:
+            event.synchronize()
         return tuple(int(x) for x in host.tolist()), step
 
     def _stop_diverged(self, step: int, loss_ranks: int, loss_rank_sum: int, control) -> None:

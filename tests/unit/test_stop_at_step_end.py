@@ -208,3 +208,59 @@ def test_the_exit_code_table_is_the_codes_train_py_returns():
                           PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE}
     (listed,) = re.findall(r"the exit codes \(([\d, ]+)\)", (REPO / "README.md").read_text())
     assert {int(code) for code in listed.split(",")} == documented
+
+
+def _lagged_stopper():
+    """The CUDA path (each step's flags read one step late), run on CPU: `read_lagged` forces it."""
+    health = StepHealth(scaler_in_use=False)
+    stopper = StopAtStepEnd(_trainer(), health)
+    stopper.read_lagged = True
+    return stopper, health
+
+
+def test_lagged_a_signal_then_a_nan_on_the_next_step_saves_nothing():
+    """SIGTERM during step 5, NaN at step 6: step 5's flags are read at step 6, and step 6's own must be read before
+    the preemption's checkpoint -- or the NaN state would be saved as an intact checkpoint."""
+    stopper, health = _lagged_stopper()
+    for step in range(1, 5):
+        health.observe_loss(torch.tensor(1.0))
+        assert not _step(stopper, step).should_training_stop
+    stopper.signal_name = "SIGTERM"  # the handler ran during step 5
+    health.observe_loss(torch.tensor(1.0))
+    control = _step(stopper, 5)
+    assert not control.should_save and not control.should_training_stop  # step 5's flags are still in flight
+    health.observe_loss(torch.tensor(float("nan")))
+    control = _step(stopper, 6)
+    assert not control.should_save and control.should_training_stop
+    assert stopper.diverged[0] == 6 and stopper.stopped_at_step == 6
+
+
+def test_lagged_a_signal_alone_checkpoints_the_step_it_is_read_at():
+    stopper, health = _lagged_stopper()
+    health.observe_loss(torch.tensor(1.0))
+    _step(stopper, 1)
+    stopper.signal_name = "SIGUSR1"
+    health.observe_loss(torch.tensor(1.0))
+    assert not _step(stopper, 2).should_training_stop
+    health.observe_loss(torch.tensor(1.0))
+    control = _step(stopper, 3)
+    assert control.should_save and control.should_training_stop and stopper.stopped_at_step == 3
+    assert stopper.diverged is None
+
+
+def test_lagged_a_nan_is_reported_at_its_own_step_and_the_next_is_not_saved():
+    stopper, health = _lagged_stopper()
+    health.observe_loss(torch.tensor(float("nan")))
+    assert not _step(stopper, 1).should_training_stop  # read one step late
+    health.observe_loss(torch.tensor(1.0))
+    control = _step(stopper, 2, save=True)  # a save planned at step 2
+    assert not control.should_save and control.should_training_stop and stopper.diverged[0] == 1
+
+
+def test_lagged_a_step_that_saves_reads_its_own_flags_first():
+    stopper, health = _lagged_stopper()
+    health.observe_loss(torch.tensor(1.0))
+    _step(stopper, 1)
+    health.observe_loss(torch.tensor(float("inf")))
+    control = _step(stopper, 2, save=True)
+    assert not control.should_save and stopper.diverged[0] == 2
