@@ -1,4 +1,5 @@
-"""Measurements of one process and its shards: exact weight checksums, live tensor bytes, resident memory kinds.
+"""Measurements of one process and its shards: weight checksums (position-weighted word sums), live tensor bytes,
+resident memory kinds.
 
 The run record (record.py), the trainer's save costs and the tests all measure through these. What each stands for
 on a GPU: live tensor bytes and the model state are what sharding divides; anonymous RSS follows live tensors when
@@ -23,21 +24,35 @@ def _shard_of(p: torch.Tensor) -> torch.Tensor:
     return shard if shard is not None else p
 
 
+CHECKSUM_MODULUS = 1 << 55  # sums of checksums over parameters and up to 256 ranks stay inside int64
+_POSITIONS = 251  # a word's weight is 1 + its position mod this prime
+_CHUNK_WORDS = 1 << 20  # words weighted per pass: int64 temporaries of 8 MiB, and no int64 sum can overflow
+
+
 def _checksum(t: torch.Tensor) -> int:
-    """Exact, dtype-agnostic fingerprint of a tensor's bytes (packed 4-bit storage read as bf16 can be NaN)."""
+    """A dtype-agnostic fingerprint of a tensor's bytes (packed 4-bit storage read as bf16 can be NaN): the sum of
+    its 32-bit words plus, weighted by 1_000_003, the sum of each word times (1 + its position mod 251). Any changed
+    value changes it, and so does moving values to other positions (a plain sum is blind to a permutation: a rank
+    whose packing order differs). Not cryptographic: a change that cancels in both sums goes unseen."""
     flat = t.detach().contiguous().reshape(-1)
     words = flat.view(torch.int32) if flat.numel() * flat.element_size() % 4 == 0 else flat.view(torch.uint8)
-    return int(words.sum(dtype=torch.int64))  # reduces without materialising an int64 copy
+    total = int(words.sum(dtype=torch.int64))  # reduces without materialising an int64 copy
+    weighted = 0
+    for start in range(0, words.numel(), _CHUNK_WORDS):
+        chunk = words[start:start + _CHUNK_WORDS]
+        weight = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device) % _POSITIONS + 1
+        weighted += int((chunk.to(torch.int64) * weight).sum())  # |word| < 2^31, weight <= 251: no overflow
+    return (total + 1_000_003 * weighted) % CHECKSUM_MODULUS
 
 
 def tensors_checksum(tensors) -> int:
-    """Exact checksum of the bytes of `tensors` (meta tensors have none), in a word that fits int64."""
+    """The checksum of the bytes of `tensors` (meta tensors have none), in a word that fits int64."""
     with torch.no_grad():
-        return sum(_checksum(t) for t in tensors if t.device.type != "meta") % (1 << 62)
+        return sum(_checksum(t) for t in tensors if t.device.type != "meta") % CHECKSUM_MODULUS
 
 
 def local_sums(model) -> tuple[int, int]:
-    """(checksum of frozen params, checksum of trainable params) over this rank's shards: exact change detectors."""
+    """(checksum of frozen params, checksum of trainable params) over this rank's shards: change detectors."""
     frozen = trainable = 0
     with torch.no_grad():
         for p in model.parameters():
@@ -48,7 +63,7 @@ def local_sums(model) -> tuple[int, int]:
                 trainable += _checksum(local)
             else:
                 frozen += _checksum(local)
-    return frozen, trainable
+    return frozen % CHECKSUM_MODULUS, trainable % CHECKSUM_MODULUS
 
 
 def all_ranks_sum(accelerator, values: tuple[int, int]) -> list[int]:

@@ -44,7 +44,7 @@ class SaveFailedElsewhere(RuntimeError):
     """Another rank's part of a save failed (its own error is in its log): this rank stops too instead of waiting."""
 
 
-def _error_chain(error: BaseException | None):
+def error_chain(error: BaseException | None):
     """`error`, its cause/context chain, and every rank's failure inside a DCP CheckpointException, each once."""
     seen: set[int] = set()
     stack = [error]
@@ -62,7 +62,7 @@ def _error_chain(error: BaseException | None):
 
 def is_disk_full(error: BaseException | None) -> bool:
     """Whether `error`, its cause/context chain, or any rank's failure inside a DCP CheckpointException is ENOSPC."""
-    for e in _error_chain(error):
+    for e in error_chain(error):
         if isinstance(e, DiskFull) or (isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS):
             return True
         if not isinstance(getattr(e, "failures", None), dict) and _DISK_FULL_TEXT.search(str(e)):
@@ -71,7 +71,7 @@ def is_disk_full(error: BaseException | None) -> bool:
 
 
 def _torch_write_failed_on_a_full_disk(error: BaseException, folder) -> bool:
-    if any(_TORCH_WRITE_FAILED.search(str(e)) for e in _error_chain(error)):
+    if any(_TORCH_WRITE_FAILED.search(str(e)) for e in error_chain(error)):
         return free_bytes(folder)[1] < TORCH_WRITE_FULL_BELOW_BYTES
     return False
 
@@ -187,7 +187,7 @@ def disk_full_message(folder: str | os.PathLike, error: BaseException | None, fa
 
 def _first_line(error: BaseException) -> str:
     """The OSError's own words (the file it was writing), else the error's first line."""
-    for e in _error_chain(error):
+    for e in error_chain(error):
         if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
             return f"{e.strerror}: {e.filename}" if e.filename else str(e.strerror)
     text = str(error).strip().splitlines()

@@ -17,6 +17,8 @@ from it, is kept beside it per cut and packing. Copies are not removed: delete t
 
 from __future__ import annotations
 
+import atexit
+import errno
 import hashlib
 import json
 import logging
@@ -26,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from sft_recipe.artifacts.disk_full import error_chain, is_disk_full
 from sft_recipe.compat import installed_version
 from sft_recipe.config.args import DataTrainingArguments
 from sft_recipe.data.prepare import PreparedData, locate_splits, prepare, read_splits
@@ -241,9 +244,42 @@ def tokenize(data: PreparedData, tokenizer, training_args) -> PreparedData:
     return data
 
 
+def _cache_unwritable(error: BaseException) -> bool:
+    """The datasets cache cannot take what datasets writes there: full (ENOSPC, a quota), read-only, not ours."""
+    return is_disk_full(error) or any(isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+                                      for e in error_chain(error))
+
+
 def prepare_here(data_args: DataTrainingArguments, training_args, tokenizer) -> tuple[PreparedData, bool]:
     """(the data, whether it was read from a copy): the copy under its key, or read, checked, converted,
-    tokenized and saved."""
+    tokenized and saved. Where datasets cannot write its cache (a full disk, a home quota, a read-only folder),
+    the data is prepared again in a temporary cache for this launch alone, with one warning naming the folder;
+    nothing is kept for the next launch then."""
+    import datasets
+
+    try:
+        return _prepare_here(data_args, training_args, tokenizer)
+    except Exception as e:  # noqa: BLE001 -- only an unwritable cache is handled; anything else is raised as it was
+        if not _cache_unwritable(e):
+            raise
+        cache = Path(datasets.config.HF_DATASETS_CACHE)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    temporary = Path(tempfile.mkdtemp(prefix="sft-recipe-datasets-"))
+    logger.warning(f"data: datasets could not write its cache in {cache} ({first}); this launch prepares the data "
+                   f"in {temporary} (removed at exit) and keeps no copy for the next one. Fix: free space there, or "
+                   "point HF_DATASETS_CACHE at a folder with room.")
+    datasets.config.HF_DATASETS_CACHE = temporary  # what load_dataset, the maps and copy_root() use from here on
+    atexit.register(shutil.rmtree, temporary, ignore_errors=True)
+    try:
+        return _prepare_here(data_args, training_args, tokenizer)
+    except Exception as e:  # noqa: BLE001 -- the temporary folder's disk is full too: name it, not the project's
+        if not is_disk_full(e):
+            raise
+        raise OSError(errno.ENOSPC, f"No space left on device for datasets' cache in {cache} nor in {temporary}",
+                      str(temporary / PREPARED_DIR)) from e
+
+
+def _prepare_here(data_args: DataTrainingArguments, training_args, tokenizer) -> tuple[PreparedData, bool]:
     loaded = None
     hub = None
     if any(kind == "hub" for kind, _ in locate_splits(data_args)[0].values()):

@@ -6,7 +6,8 @@
     training      steps, seconds, tokens, the logged train and eval losses and their steps
     throughput    tokens/s (all ranks, and per device), MFU, FLOPs per token, and each logging step's values
     memory        per rank: peaks, the model state sharding divides, what loading and wrapping left resident
-    weights       exact checksums before/after: frozen weights must not change, trainable ones must move
+    weights       checksums (position-weighted word sums, measure.py) before/after: frozen weights must not
+                  change, trainable ones must move
     saves         what the final adapter save and each checkpoint cost (seconds, anonymous RSS added per rank)
 
 `SECTIONS` is the one home of the field names; the record refuses a field no section declares.

@@ -28,7 +28,7 @@ from sft_recipe.artifacts.disk_full import folder_bytes
 from sft_recipe.config.args import parse_args
 from sft_recipe.config.launch_env import LaunchEnv
 from sft_recipe.preflight.disk_space import estimate_writes
-from tests.helpers import launch_script, launch_train, run_command
+from tests.helpers import launch_env, launch_script, launch_train, run_command
 
 FLAGS = ["--use_peft_lora", "True", "--lora_target_modules", "all-linear", "--lora_r", "8", "--lora_alpha", "16",
          "--lora_dropout", "0", "--max_seq_len", "128", "--report_to", "none", "--eval_strategy", "no",
@@ -143,3 +143,23 @@ def test_fsdp2_ranks_end_together_when_only_one_ranks_write_fails(tiny, tmp_path
     assert not (out / "checkpoint-2" / COMPLETE_MARKER).exists()
     assert resolve_resume("latest", str(out)) == (str(out / "checkpoint-1"), [])
     assert os.path.isfile(out / "checkpoint-2" / "rng_state_0.safetensors")  # rank 0's part was written
+
+
+def test_a_full_datasets_cache_trains_on_without_the_copy(tiny, tmp_path):
+    """HF_DATASETS_CACHE on a 1 MiB filesystem (a cluster home quota) and 4,000 rows: datasets cannot write its
+    cache. The run trains on in a temporary cache with one warning naming that folder and HF_DATASETS_CACHE; it used
+    to exit 74 naming the project folder's free space."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = (tiny.jsonl_dir / "train.jsonl").read_text().splitlines()
+    (data / "train.jsonl").write_text("\n".join(rows * (4000 // len(rows) + 1)) + "\n")
+    shutil.copy(tiny.jsonl_dir / "test.jsonl", data / "test.jsonl")
+    with small_filesystem(tmp_path / "cache", 2**20) as cache:
+        env = launch_env()
+        env["HF_DATASETS_CACHE"] = str(cache)
+        result = run_command([sys.executable, "train.py", "--model_name_or_path", str(tiny.model_dir),
+                              "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"), *FLAGS,
+                              "--max_steps", "2", "--save_strategy", "no"], tmp_path, env=env, timeout=300)
+    assert result.returncode == 0, result.output[-4000:]
+    assert f"datasets could not write its cache in {cache}" in result.output, result.output[-4000:]
+    assert "point HF_DATASETS_CACHE at a folder with room" in result.output and "disk full" not in result.output

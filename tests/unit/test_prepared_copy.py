@@ -255,3 +255,56 @@ def test_two_launches_saving_the_same_copy_keep_one_and_ctrl_c_while_saving_leav
     with pytest.raises(KeyboardInterrupt):
         pc.save_copy(data, "other")
     assert sorted(p.name for p in pc.copy_root().iterdir()) == ["k"]
+
+
+def _dataset_generation_error():
+    from datasets.exceptions import DatasetGenerationError
+
+    try:
+        try:
+            raise OSError(28, "No space left on device")  # what pyarrow raises writing an arrow file
+        except OSError as e:
+            raise DatasetGenerationError("An error occurred while generating the dataset") from e
+    except DatasetGenerationError as wrapped:
+        return wrapped
+
+
+@pytest.mark.parametrize("failure", ["full", "wrapped", "read-only"])
+def test_an_unwritable_datasets_cache_prepares_in_a_temporary_one_with_one_warning(failure, tiny, tmp_path,
+                                                                                    monkeypatch, caplog):
+    """A home quota or a read-only cache: datasets fails writing its cache (load_dataset, its maps). The launch goes
+    on in a temporary cache, with one warning naming the cache folder and HF_DATASETS_CACHE (it used to exit 74,
+    naming the project folder's free space)."""
+    import errno
+    import logging
+
+    import datasets
+
+    full = tmp_path / "quota-cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", full)
+    monkeypatch.setattr(pc, "copy_root", lambda: Path(datasets.config.HF_DATASETS_CACHE) / pc.PREPARED_DIR)
+    errors = {"full": OSError(errno.ENOSPC, "No space left on device"), "wrapped": _dataset_generation_error(),
+              "read-only": OSError(errno.EROFS, "Read-only file system")}
+    real = pc.read_splits
+
+    def read_splits(*args, **kwargs):
+        if Path(datasets.config.HF_DATASETS_CACHE) == full:
+            raise errors[failure]
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pc, "read_splits", read_splits)
+    m, d, _, t = _args(tiny, tmp_path / "out")
+    with caplog.at_level(logging.WARNING):
+        data, reused = pc.prepare_here(d, t, _tokenizer(m))
+    assert len(data.tokenized["train"]) == 240 and not reused
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and f"datasets could not write its cache in {full}" in warnings[0], warnings
+    assert "HF_DATASETS_CACHE" in warnings[0] and "keeps no copy" in warnings[0]
+    assert "sft-recipe-datasets-" in str(datasets.config.HF_DATASETS_CACHE)
+
+
+def test_another_failure_while_preparing_is_raised_as_it_was(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(pc, "read_splits", lambda *a, **k: (_ for _ in ()).throw(ValueError("not a cache problem")))
+    m, d, _, t = _args(tiny, tmp_path / "out")
+    with pytest.raises(ValueError, match="not a cache problem"):
+        pc.prepare_here(d, t, _tokenizer(m))

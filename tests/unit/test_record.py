@@ -72,3 +72,24 @@ def test_a_cpu_evaluation_does_not_change_frozen_4bit_bytes(tiny):
         pytest.skip("this CPU has no AVX512-BF16: bitsandbytes keeps the stored layout (nothing to undo here)")
     assert local_sums(model) == frozen_before
     assert compat.restore_bnb_4bit_storage_layout(model) == 0
+
+
+def test_the_checksum_sees_a_changed_value_and_a_permutation():
+    """measure._checksum: any changed word, and values moved to other positions (a plain word sum is blind to that:
+    two ranks whose packing order differs would have compared equal)."""
+    import torch
+
+    from sft_recipe.measure import CHECKSUM_MODULUS, tensors_checksum
+
+    t = torch.arange(3000, dtype=torch.float32)
+    base = tensors_checksum([t])
+    assert tensors_checksum([t.clone()]) == base and 0 <= base < CHECKSUM_MODULUS
+    changed = t.clone()
+    changed[1234] += 1
+    swapped = t.clone()
+    swapped[[10, 2000]] = swapped[[2000, 10]]
+    assert tensors_checksum([changed]) != base
+    assert tensors_checksum([swapped]) != base
+    assert int(t.view(torch.int32).sum()) == int(swapped.view(torch.int32).sum())  # what the plain sum would say
+    big = torch.full((3 * 2**20 + 5,), -1.5e38, dtype=torch.float32)  # several chunks of extreme words
+    assert 0 <= tensors_checksum([big]) < CHECKSUM_MODULUS
