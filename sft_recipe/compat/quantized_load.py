@@ -6,7 +6,8 @@ import contextlib
 
 import torch
 
-# Where a quantized base is loaded under FSDP: host RAM, quantized there by bitsandbytes' CPU backend.
+# Where a quantized base is placed under FSDP: host RAM. Each weight is quantized on the rank's GPU as it is read
+# and its packed bytes kept in host RAM (quantize_each_weight_on); only a CPU run quantizes on the CPU.
 CPU_DEVICE_MAP = {"": "cpu"}
 
 
@@ -20,8 +21,9 @@ def quantized_base_device_map(model_args, launch) -> dict[str, str] | None:
     GPU, and `core_model_loading` materializes and quantizes every weight there. `core_model_loading` has no FSDP
     branch, so under FSDP every rank holds the *whole* 4-bit base on its GPU before wrapping (Llama-2-70B: ~36 GiB,
     on the guide's 24 GB cards). Open upstream: transformers #43032, #43749.
-    Fix here: under FSDP (1 or 2), load onto the CPU. Nothing is warmed up on a GPU (the warm-up skips CPU maps),
-    bitsandbytes quantizes each weight on the CPU (bit-identical on every rank), and a single-device map sets no
+    Fix here: under FSDP (1 or 2), place the base on the CPU. Nothing is warmed up on a GPU (the warm-up skips CPU
+    maps), each weight is quantized as it is read (on the rank's GPU, see below; the same bytes on every rank, which
+    train/quantized_identity.py checks) and kept in host RAM, and a single-device map sets no
     `hf_device_map`, so accelerate's "loaded on a different device" check does not apply; FSDP then moves each
     wrapped unit to the GPU as it shards it (FSDP1 `_move_module_to_device`, FSDP2 `fully_shard`), and
     `Params4bit.to` moves the quantization state with the packed bytes without quantizing again. Cost: one

@@ -174,7 +174,7 @@ def host_ram_rows(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) 
                          (cpu_ram_efficient_loading, not quantized); a 4-bit base under FSDP1 with
                          cpu_ram_efficient_loading: one copy, on rank 0 (the others get its quantization state on
                          their GPU); any other quantized base under FSDP on the recipe's path: one copy per rank
-                         (each quantizes its own on the CPU); a quantized base placed on
+                         (each keeps its own in host RAM); a quantized base placed on
                          the GPU by transformers (one process, DDP, upstream's FSDP path): none; else one per rank,
            offloaded   = (weights + trainable + gradients + optimizer) x n/G,
            activations = n x what one rank pins for --activation_offloading (components.offloaded_activation_bytes;

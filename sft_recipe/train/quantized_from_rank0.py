@@ -1,7 +1,7 @@
 """FSDP1 QLoRA loads one 4-bit copy of the base per run: rank 0 reads and quantizes it; every other rank builds the
 same 4-bit layers without weights and receives rank 0's quantization state.
 
-Why: under FSDP every rank loaded and quantized the whole base on the CPU (compat.quantized_base_device_map): one
+Why: under FSDP every rank loaded and quantized the whole base into host RAM (compat.quantized_base_device_map): one
 full 4-bit copy of host RAM per rank (the guide's 70B: ~34 GiB each, 271 GiB on 8 ranks) and the same quantization
 on every rank. FSDP1's `sync_module_states` -- forced on by `fsdp_cpu_ram_efficient_loading: true`, the guide's
 setting -- already broadcasts every parameter from rank 0 when it wraps a unit, packed 4-bit weights included, into
