@@ -47,6 +47,7 @@ from sft_recipe.preflight.validate import validate
 from sft_recipe.train.architecture import lora_targets
 from sft_recipe.train.divergence import DIVERGED_EXIT_CODE, Diverged
 from sft_recipe.train.gptq import checkpoint_quant_method  # a GPTQ base is recorded as quantization "gptq"
+from sft_recipe.train.lost_rank import LostRank, lost_a_rank, lost_rank_message
 from sft_recipe.train.model import added_token_ids, load_model, load_tokenizer, lora_config, untrained_token_note
 from sft_recipe.train.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_FILE, Preempted, StopAtStepEnd
 from sft_recipe.train.quantized_identity import check_quantized_base_identical
@@ -125,7 +126,13 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
 
     # 5. Train. SIGTERM/SIGUSR1/Ctrl-C on any rank: every rank checkpoints at the same step, then we exit to be
     #    resumed. Divergence: every rank stops at that step; the record and loss curve show where, nothing is saved.
-    trainer.train(resume_from_checkpoint=resume_from)
+    try:
+        trainer.train(resume_from_checkpoint=resume_from)
+    except RuntimeError as e:  # a collective that failed because another rank is gone: said in one line (run())
+        if not lost_a_rank(e):
+            raise
+        newest = next(iter(intact_checkpoints(training_args.output_dir)), None)
+        raise LostRank(lost_rank_message(launch.rank, e, str(newest) if newest else None)) from None
     try:
         stopper.raise_if_stopped(training_args.output_dir, intact_checkpoints)
     except Diverged:
@@ -208,6 +215,9 @@ def run(launch: LaunchEnv) -> int:
               "the model and flags (docs/models.md lists what each family allows).", file=sys.stderr, flush=True)
         return ADAPTER_CHECK_EXIT_CODE
     except SaveFailedElsewhere as e:  # another rank's save failed: its own message says how (5 for a failed check)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except LostRank as e:  # another rank died (SIGKILL, a crash) mid-collective: one line per survivor, no traceback
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:  # Ctrl-C before training began, or a second one during it: abort, no traceback

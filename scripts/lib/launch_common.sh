@@ -6,7 +6,8 @@
 # - accelerate_launch: the `accelerate launch` words from ACCELERATE_CONFIG, NUM_PROCESSES and LAUNCH_ARGS (for a
 #   DeepSpeed config, after checking that DeepSpeed is installed: exit 2 naming the fix).
 # - run_and_exit CMD...: runs CMD; exits 75 when CMD wrote a new preemption note in OUTPUT_DIR (130 when Ctrl-C
-#   wrote it; resume either with --resume_from_checkpoint latest), else with CMD's status.
+#   wrote it; resume either with --resume_from_checkpoint latest), else with CMD's status, saying how to resume when
+#   CMD failed after writing a checkpoint.
 # - TORCH_ELASTIC_SHUTDOWN_TIMEOUT: how long torchrun lets the ranks finish their step and checkpoint after it forwards
 #   Ctrl-C/SIGTERM before it SIGKILLs them. torch's default, 30 s, is shorter than one step plus a checkpoint of a
 #   large model; the scripts give 600 s unless it is set.
@@ -74,15 +75,33 @@ note_fingerprint() {
 }
 
 run_and_exit() {
-  local before status=0
+  local before status=0 started
   before=$(note_fingerprint)
+  started=$(date +%s)
   "$@" || status=$?
-  # Preempted (SIGTERM/SIGUSR1) or Ctrl-C: a checkpoint was written; the launcher itself reports any failed rank as 1.
+  # Preempted (SIGTERM/SIGUSR1/SIGHUP) or Ctrl-C: a checkpoint was written; the launcher reports any failed rank as 1.
   if [[ -f "$OUTPUT_DIR/preempted.json" && "$(note_fingerprint)" != "$before" ]]; then
     if grep -q '"signal": "SIGINT"' "$OUTPUT_DIR/preempted.json"; then exit 130; fi
     exit 75
   fi
+  if (( status != 0 )); then say_how_to_resume "$status" "$started"; fi
   exit "$status"
+}
+
+# A launch that failed after this run wrote a checkpoint (a rank killed by the out-of-memory killer, a crash): one
+# line after torch's report, which names the rank that failed first and its signal, with the resume command.
+say_how_to_resume() {
+  local status=$1 started=$2 marker folder newest="" newest_step=-1
+  for marker in "$OUTPUT_DIR"/checkpoint-*/checkpoint_complete.json; do
+    [[ -f "$marker" ]] && (( $(stat -c %Y "$marker") >= started )) || continue
+    folder=${marker%/checkpoint_complete.json}
+    if (( ${folder##*-} > newest_step )); then newest=$folder newest_step=${folder##*-}; fi
+  done
+  if [[ -n "$newest" ]]; then
+    echo "run_peft: the launch failed (exit $status) after writing checkpoints. torch's report above names the rank" \
+      "that failed first ('Root Cause') and how (exitcode -9, SIGKILL: usually the out-of-memory killer). Newest" \
+      "checkpoint: $newest. Resume: run the same command with --resume_from_checkpoint latest." >&2
+  fi
 }
 
 recipe_script_for() {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -103,6 +104,14 @@ def test_sigkill_of_one_rank_ends_the_run_and_keeps_the_last_checkpoint(tiny, tm
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode != 0 and elapsed_s < 90
+    log.seek(0)
+    output = log.read()
+    # The survivor says what happened in one line, with the resume command, instead of gloo's traceback; torch's
+    # report names the dead rank and its signal.
+    assert re.search(r"error: rank 0: another rank is gone \(.*\)\. Its process ended: killed \(SIGKILL, usually "
+                     r"the out-of-memory killer", output), output[-4000:]
+    assert "--resume_from_checkpoint latest" in output and "[rank0]: Traceback" not in output, output[-4000:]
+    assert "exitcode  : -9" in output and "(SIGKILL)" in output
     for child in psutil.Process().children(recursive=True):  # no orphaned rank left running
         assert "train.py" not in " ".join(child.cmdline())
     checkpoint, _ = latest_complete_checkpoint(out)

@@ -1,0 +1,48 @@
+"""A rank that dies outright (SIGKILL from the out-of-memory killer, a segfault, a lost machine) cannot say so. The
+ranks that survive it learn it from the collective they are in: gloo's "Connection reset by peer", NCCL's aborted
+communicator, a timeout. Each then ends with one line instead of a traceback: what happened, the likely cause, the
+newest intact checkpoint and the resume command. Which rank died and of what signal is in the launcher's report
+(torch's "Root Cause" block, printed next), and run_peft_*.sh repeats the resume line when the launch fails after a
+checkpoint was written (scripts/lib/launch_common.sh).
+"""
+
+from __future__ import annotations
+
+import re
+
+# How torch's transports say that the other end of a collective is gone (gloo over TCP, NCCL, the store).
+_PEER_GONE = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|NCCL communicator was aborted"
+                        r"|remote process exited|Socket Timeout|Connection refused|failed to recv|Timed out waiting",
+                        re.IGNORECASE)
+
+
+class LostRank(Exception):
+    """Raised on a surviving rank with lost_rank_message; train.py prints it and exits 1."""
+
+
+def lost_a_rank(error: BaseException | None) -> bool:
+    """Whether `error` (or what caused it) is a collective that failed because another rank is gone."""
+    from sft_recipe.artifacts.disk_full import is_disk_full
+
+    if is_disk_full(error):  # a full disk on some rank ends every rank with exit 74 (train.py), not this
+        return False
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if type(error).__name__ == "DistBackendError" or (isinstance(error, RuntimeError)
+                                                           and _PEER_GONE.search(str(error))):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def lost_rank_message(rank: int, error: BaseException, newest_checkpoint: str | None) -> str:
+    """One line for a surviving rank."""
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    where = re.sub(r"^\[[^\]]*\]\s*", "", first)[:160]  # gloo prefixes its source file and line
+    resume = (f"The newest intact checkpoint is {newest_checkpoint}: run the same command with "
+              f"--resume_from_checkpoint latest." if newest_checkpoint else
+              "No checkpoint was written yet: run the same command again.")
+    return (f"rank {rank}: another rank is gone ({where}). Its process ended: killed (SIGKILL, usually the "
+            f"out-of-memory killer: check `dmesg` or the job's memory) or crashed; the launcher's report names the "
+            f"rank and its signal. {resume}")
