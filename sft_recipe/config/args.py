@@ -110,6 +110,12 @@ class DataTrainingArguments:
                           "whose chat template decides."},
     )
     splits: str = field(default="train,test", metadata={"help": "Comma-separated split names to load."})
+    eval_split_size: float | None = field(
+        default=None,
+        metadata={"help": "Hold out part of the training rows as the test split, for data that has none: a share "
+                          "(0.05) or a row count (500, when >= 1), chosen by --seed, never trained on, named in the "
+                          "data report (LLaMA-Factory's val_size, axolotl's val_set_size). Use with --splits train."},
+    )
     dataset_format: str = field(
         default="auto",
         metadata={"help": "auto|text|messages|prompt_completion|sharegpt|alpaca. auto recognises the format from the "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,37 @@ def _local_split_source(root: Path, split: str) -> tuple[str, str] | None:
     return None
 
 
+def eval_split_problems(data_args: DataTrainingArguments, splits: list[str]) -> list[str]:
+    """--eval_split_size: a share in (0, 1) or a whole number of rows, and no test split read beside it."""
+    size = getattr(data_args, "eval_split_size", None)
+    if size is None:
+        return []
+    problems = []
+    if not (0 < size < 1 or (size >= 1 and float(size).is_integer())):
+        problems.append(f"--eval_split_size {size:g}: give a share of the training rows between 0 and 1 (e.g. 0.05) "
+                        "or a whole number of rows (e.g. 500).")
+    tests = [s for s in splits if split_role(s) == "test"]
+    if tests:
+        problems.append(f"--eval_split_size {size:g} carves the test split from the training rows, but --splits "
+                        f"'{data_args.splits}' also reads {', '.join(repr(t) for t in tests)}: one or the other. "
+                        "Fix: --splits train (keep --eval_split_size), or drop --eval_split_size.")
+    return problems
+
+
+def carve_eval_split(datasets: dict, size: float, seed: int) -> dict:
+    """The test split taken from the training rows by datasets' own train_test_split (shuffled by `seed`: the same
+    rows for the same seed, disjoint from what is trained). Returns what the data report says of it."""
+    rows = len(datasets["train"])
+    count = int(size) if size >= 1 else math.ceil(size * rows)
+    if not 1 <= count < rows:
+        raise ConfigError([f"--eval_split_size {size:g}: {count} of the {rows} training rows would be held out, "
+                           "leaving " + ("nothing to train on" if count >= rows else "no test rows") + ". Fix: a "
+                           "smaller share or count (or more rows)."])
+    parts = datasets["train"].train_test_split(test_size=count, seed=seed, shuffle=True)
+    datasets["train"], datasets["test"] = parts["train"], parts["test"]
+    return {"from": "train", "eval_split_size": size, "seed": seed, "rows": count}
+
+
 def locate_splits(data_args: DataTrainingArguments) -> tuple[dict[str, tuple[str, str]], list[str]]:
     """Map each requested split to where it will be read from, without reading it. Collects problems."""
     problems: list[str] = []
@@ -57,6 +89,7 @@ def locate_splits(data_args: DataTrainingArguments) -> tuple[dict[str, tuple[str
         if split_role(split) is None:
             problems.append(f"--splits: split '{split}' is neither a train split nor a test split. Fix: a split whose "
                             "name contains 'train', or 'test'/'valid'/'eval'.")
+    problems += eval_split_problems(data_args, splits)
     root = Path(data_args.dataset_name)
     if root.is_dir():
         if (root / "dataset_dict.json").is_file():
@@ -235,6 +268,7 @@ class PreparedData:
     preparation: dict = field(default_factory=dict)  # which ranks prepared the data, which read it (prepared_copy)
     reports: dict = field(default_factory=dict)  # data reports measured on this copy, by what decides them
     copy_dir: str | None = None  # the folder the tokenized splits were read from (prepared_copy)
+    carved: dict | None = None  # the test split held out of train by --eval_split_size (carve_eval_split)
 
 
 def _assistant_only_loss_problems(formats: dict[str, str], conversational: dict[str, bool],
@@ -253,7 +287,7 @@ def _assistant_only_loss_problems(formats: dict[str, str], conversational: dict[
 
 
 def prepare(loaded: LoadedSplits, data_args: DataTrainingArguments, text_field: str, tokenizer,
-            assistant_only_loss: bool = False) -> PreparedData:
+            assistant_only_loss: bool = False, seed: int = 42) -> PreparedData:
     """Detect each split's format, check every row (listing all problems, or dropping bad rows when asked), then
     convert to TRL's shape. Needs the tokenizer (for its chat template), never the model."""
     from sft_recipe.data.checks import by_position, check_split, raise_problems
@@ -325,7 +359,15 @@ def prepare(loaded: LoadedSplits, data_args: DataTrainingArguments, text_field: 
         bos = tokenizer.bos_token if formats[role] == "text" and data_args.add_special_tokens else None
         datasets[role] = convert(ds, formats[role], roles[role], text_field, bos)
     lines = [f"data: {'split' if len(r) == 1 else 'splits'} {', '.join(r)}: {note}" for note, r in notes.items()]
-    return PreparedData(datasets, formats, lines, rows_read, dropped, chat_template)
+    carved = None
+    if getattr(data_args, "eval_split_size", None) is not None:
+        carved = carve_eval_split(datasets, data_args.eval_split_size, seed)
+        formats["test"], dropped["test"] = formats["train"], 0
+        rows_read["test"] = carved["rows"]
+        rows_read["train"] -= carved["rows"]
+        lines.append(f"data: split test: {carved['rows']} rows held out of train by --eval_split_size "
+                     f"{data_args.eval_split_size:g} (seed {seed}): evaluated on, never trained on")
+    return PreparedData(datasets, formats, lines, rows_read, dropped, chat_template, carved=carved)
 
 
 def prepare_for_trl(datasets, data_args: DataTrainingArguments, text_field: str, tokenizer,

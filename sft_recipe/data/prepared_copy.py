@@ -82,6 +82,8 @@ def preparation_key(data_args: DataTrainingArguments, training_args, tokenizer, 
         "data_flags": {k: v for k, v in vars(data_args).items() if k != "preview_examples"},
         "trl_flags": {k: getattr(training_args, k, None) for k in
                       ("dataset_text_field", "assistant_only_loss", "completion_only_loss")},
+        # the seed picks the rows --eval_split_size holds out (and only then decides the copy)
+        "carve_seed": training_args.seed if getattr(data_args, "eval_split_size", None) is not None else None,
         "tokenizer": _tokenizer_identity(tokenizer),
         "versions": {name: str(installed_version(name)) for name in VERSIONED},
     }
@@ -108,7 +110,7 @@ def load_copy(key: str) -> PreparedData | None:
         return None
     return PreparedData(datasets={}, formats=meta["formats"], notes=meta["notes"], rows_read=meta["rows_read"],
                         rows_dropped=meta["rows_dropped"], chat_template=meta["chat_template"], tokenized=tokenized,
-                        reports=meta.get("reports", {}), copy_dir=str(folder))
+                        reports=meta.get("reports", {}), copy_dir=str(folder), carved=meta.get("carved"))
 
 
 def _write_split(dataset, folder: Path) -> list[str] | None:
@@ -164,7 +166,7 @@ def save_copy(data: PreparedData, key: str) -> bool:
         parts = {role: _write_split(dataset, tmp / role) for role, dataset in data.tokenized.items()}
         meta = {"key": key, "roles": list(data.tokenized), "parts": parts, "formats": data.formats,
                 "notes": data.notes, "rows_read": data.rows_read, "rows_dropped": data.rows_dropped,
-                "chat_template": data.chat_template}
+                "chat_template": data.chat_template, "carved": data.carved}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
         if folder.exists() and load_copy(key) is None:
             folder.rename(old)  # damaged: replaced
@@ -289,7 +291,7 @@ def _prepare_here(data_args: DataTrainingArguments, training_args, tokenizer) ->
     if (copy := load_copy(key)) is not None:
         return copy, True
     data = prepare(loaded or read_splits(data_args), data_args, training_args.dataset_text_field, tokenizer,
-                   assistant_only_loss=training_args.assistant_only_loss)
+                   assistant_only_loss=training_args.assistant_only_loss, seed=training_args.seed)
     tokenize(data, tokenizer, training_args)
     if save_copy(data, key) and (saved := load_copy(key)):
         data = saved  # read back: the trainer's cuts and packing are then cached beside the copy, for every rank

@@ -47,6 +47,7 @@ class SplitReport:
     packed_rows: int | None  # with packing
     packing_efficiency: float | None  # tokens per packed row / max_length
     eos_with_loss_share: float | None  # of examples ending in EOS, those whose EOS carries loss (stop learned)
+    held_out_of: str | None = None  # "train: --eval_split_size 0.05, seed 42" for a test split carved from train
 
 
 @dataclass
@@ -73,8 +74,9 @@ class DataReport:
         for role, s in self.splits.items():
             cut = (f"over max_length {self.max_length}: {s.examples_cut_share:.1%} of examples, "
                    f"{s.tokens_cut_share:.1%} of tokens cut" if self.max_length else "no max_length")
-            lines.append(f"  {role}: {s.rows} rows ({s.format}, {s.rows_dropped} dropped) | tokens per example min "
-                         f"{s.tokens_min} / median {s.tokens_median:g} / max {s.tokens_max} | {cut}")
+            held = f", held out of {s.held_out_of}" if s.held_out_of else ""
+            lines.append(f"  {role}: {s.rows} rows ({s.format}, {s.rows_dropped} dropped{held}) | tokens per example "
+                         f"min {s.tokens_min} / median {s.tokens_median:g} / max {s.tokens_max} | {cut}")
         train = self.splits.get("train")
         if train:
             packing = (f"packing ({self.packing_strategy}): {train.packed_rows} rows, "
@@ -252,6 +254,10 @@ def measure(prepared, tokenizer, training_args) -> DataReport:
     splits = {role: measure_split(tokenized, prepared.formats[role], prepared.rows_read[role],
                                   prepared.rows_dropped[role], training_args, tokenizer.eos_token_id)
               for role, tokenized in tokenized_splits(prepared, tokenizer, training_args).items()}
+    carved = getattr(prepared, "carved", None)
+    if carved and "test" in splits:
+        splits["test"].held_out_of = (f"{carved['from']}: --eval_split_size {carved['eval_split_size']:g}, "
+                                      f"seed {carved['seed']}")
     report = DataReport(max_length=training_args.max_length, packing=bool(training_args.packing),
                         packing_strategy=training_args.packing_strategy if training_args.packing else None,
                         truncation_mode=training_args.truncation_mode, cut_warning_share=CUT_WARNING_SHARE,

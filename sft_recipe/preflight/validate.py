@@ -233,10 +233,12 @@ def _training_problems(m: ModelArguments, d: DataTrainingArguments, r: RecipeArg
         problems.append("nothing to train: --num_train_epochs and --max_steps are both 0. Fix: --num_train_epochs 1.")
     from sft_recipe.data.prepare import requested_splits, split_role
 
-    has_test_split = any(split_role(s) == "test" for s in requested_splits(d))
+    has_test_split = any(split_role(s) == "test" for s in requested_splits(d)) or \
+        getattr(d, "eval_split_size", None) is not None  # carved from train
     if str(t.eval_strategy).split(".")[-1].lower() != "no" and not has_test_split:
         problems.append(f"--eval_strategy {str(t.eval_strategy).split('.')[-1].lower()} needs a test split, but "
-                        f"--splits is '{d.splits}'. Fix: --splits train,test or --eval_strategy no.")
+                        f"--splits is '{d.splits}'. Fix: --splits train,test, --eval_split_size 0.05 (held out "
+                        "of train), or --eval_strategy no.")
     if d.dataset_streaming:
         problems.append("--dataset_streaming True: every row is checked, the data report measured and the rows "
                         "tokenized once before any weight loads, which needs the whole split; a stream would give "

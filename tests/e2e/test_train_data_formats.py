@@ -129,3 +129,16 @@ def test_preview_shows_the_trained_tokens_and_warns_about_a_short_max_length(tin
 
     answer = load_conversations(tiny, "train")[0][-1]["content"]
     assert wide.returncode == 0 and f"⟦{answer}</s>⟧" in wide.output and "WARNING: " not in wide.output
+
+
+def test_a_held_out_eval_slice_is_evaluated_and_named_in_the_report(tiny, tmp_path):
+    """Data with no test split: --splits train --eval_split_size 0.1 trains on 216 rows and evaluates on the 24 held
+    out (one process; the slice is carved before tokenizing, so every engine gets the same splits)."""
+    out = tmp_path / "out"
+    result = _train(tiny, tiny.jsonl_dir, out, "--splits", "train", "--eval_split_size", "0.1", "--max_steps", "4",
+                    "--eval_strategy", "steps", "--eval_steps", "2")
+    assert result.returncode == 0, result.output[-4000:]
+    report = json.loads((out / "data_report.json").read_text())
+    assert report["splits"]["test"]["held_out_of"] == "train: --eval_split_size 0.1, seed 3"
+    assert (report["splits"]["train"]["rows"], report["splits"]["test"]["rows"]) == (216, 24)
+    assert len(result.record["training"]["eval_losses"]) == 2  # steps 2 and 4, on the held-out rows
