@@ -26,25 +26,19 @@ from sft_recipe.artifacts.checkpoints import (
     move_previous_run_aside,
     resolve_resume,
 )
-from sft_recipe.artifacts.disk_full import (
-    DISK_FULL_EXIT_CODE,
-    DiskFull,
-    SaveFailedElsewhere,
-    is_disk_full,
-    unguarded_disk_full,
-)
+from sft_recipe.artifacts.disk_full import DISK_FULL_EXIT_CODE, SaveFailedElsewhere, unguarded_disk_full
 from sft_recipe.artifacts.run_hold import release_run_hold, take_run_hold
 from sft_recipe.config.args import parse_args
 from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
 from sft_recipe.data import report as data_report
 from sft_recipe.data.prepare import dataset_flag_notes
 from sft_recipe.data.prepared_copy import confirm_report, measure_report, prepare_data
-from sft_recipe.errors import ConfigError
+from sft_recipe.errors import ConfigError, DiskFull, is_disk_full
 from sft_recipe.logs import quiet_other_ranks
+from sft_recipe.model.architecture import lora_targets
 from sft_recipe.plan import plan_memory
 from sft_recipe.preflight.file_checks import check_tokenizer
 from sft_recipe.preflight.validate import validate
-from sft_recipe.train.architecture import lora_targets
 from sft_recipe.train.divergence import DIVERGED_EXIT_CODE, Diverged
 from sft_recipe.train.gptq import checkpoint_quant_method  # a GPTQ base is recorded as quantization "gptq"
 from sft_recipe.train.lost_rank import LostRank, lost_a_rank, lost_rank_message

@@ -43,8 +43,8 @@ from sft_recipe.merge_checks import (  # the refusals and the logits check; call
     refuse_merge_in_fsdp,  # noqa: F401
     refuse_under_distributed_launcher,
 )
-from sft_recipe.model_shape import DTYPES as ALL_DTYPES
-from sft_recipe.model_shape import config_dtype, read_config
+from sft_recipe.model.shape import DTYPES as ALL_DTYPES
+from sft_recipe.model.shape import config_dtype, read_config
 from sft_recipe.train.record import RUN_RECORD  # written by train.py next to the adapter
 
 OLDER_RUN_FACTS = "run_facts.json"  # what train.py wrote before the run record: quantization at its top level

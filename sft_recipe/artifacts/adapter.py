@@ -80,7 +80,7 @@ def expected_adapter_tensors(adapter_dir: str, trust_remote_code: bool = False) 
     """
     from peft import PeftConfig, get_peft_model, get_peft_model_state_dict
 
-    from sft_recipe.model_shape import meta_model
+    from sft_recipe.model.shape import meta_model
 
     peft_config = PeftConfig.from_pretrained(adapter_dir)
     base = meta_model(peft_config.base_model_name_or_path, trust_remote_code)

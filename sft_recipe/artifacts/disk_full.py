@@ -15,19 +15,17 @@ trainer marks after this agreement), the final adapter is written to a temporary
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import re
 import shutil
 from pathlib import Path
 
+from sft_recipe.errors import DISK_FULL_ERRNOS, DiskFull, error_chain, is_disk_full
+
 logger = logging.getLogger(__name__)
 
 DISK_FULL_EXIT_CODE = 74  # EX_IOERR (sysexits.h): an input/output error, here a save that ran out of space
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-# How safetensors' Rust writer and torch's C++ writers word ENOSPC (they raise no OSError).
-_DISK_FULL_TEXT = re.compile(r"No space left on device|os error 28|Disk quota exceeded|os error 122")
 _CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 # torch.save (DeepSpeed's checkpoint files) reports a failed write without its errno: "[enforce fail at
 # inline_container.cc:672] . unexpected pos 576 vs 534", from "basic_ios::clear: iostream error" (measured on a full
@@ -36,38 +34,8 @@ _TORCH_WRITE_FAILED = re.compile(r"unexpected pos \d+ vs \d+|iostream error|Pyto
 TORCH_WRITE_FULL_BELOW_BYTES = 64 * 2**20
 
 
-class DiskFull(Exception):
-    """A save ran out of space; raised on every rank (after `guarded_save`'s agreement). train.py exits 74."""
-
-
 class SaveFailedElsewhere(RuntimeError):
     """Another rank's part of a save failed (its own error is in its log): this rank stops too instead of waiting."""
-
-
-def error_chain(error: BaseException | None):
-    """`error`, its cause/context chain, and every rank's failure inside a DCP CheckpointException, each once."""
-    seen: set[int] = set()
-    stack = [error]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
-        if isinstance(failures, dict):
-            stack += [pair[0] if isinstance(pair, tuple) else pair for pair in failures.values()]
-        stack += [e.__cause__, e.__context__]
-
-
-def is_disk_full(error: BaseException | None) -> bool:
-    """Whether `error`, its cause/context chain, or any rank's failure inside a DCP CheckpointException is ENOSPC."""
-    for e in error_chain(error):
-        if isinstance(e, DiskFull) or (isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS):
-            return True
-        if not isinstance(getattr(e, "failures", None), dict) and _DISK_FULL_TEXT.search(str(e)):
-            return True
-    return False
 
 
 def _torch_write_failed_on_a_full_disk(error: BaseException, folder) -> bool:

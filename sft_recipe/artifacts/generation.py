@@ -89,7 +89,7 @@ def base_generation_config(base_name_or_path: str, trust_remote_code: bool = Fal
     config) where the base's files cannot be read any more: a save at the end of a long run must not fail on it."""
     from transformers import GenerationConfig
 
-    from sft_recipe.model_shape import read_config
+    from sft_recipe.model.shape import read_config
 
     try:
         try:

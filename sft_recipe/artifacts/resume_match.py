@@ -108,8 +108,8 @@ def saved_run(checkpoint: str | os.PathLike) -> dict | None:
 
 def _requested_targets(m, trust_remote_code: bool):
     """target_modules as this launch will give them to PEFT (suffixes, or a pattern); None where unknown."""
-    from sft_recipe.model_shape import linear_module_names
-    from sft_recipe.model_structure import lora_targets_of, parse_target_modules
+    from sft_recipe.model.shape import linear_module_names
+    from sft_recipe.model.structure import lora_targets_of, parse_target_modules
 
     targets = parse_target_modules(m.lora_target_modules)  # a list is given to PEFT as it is: no model needed
     try:  # what all-linear means for this family
@@ -123,7 +123,7 @@ def _requested_targets(m, trust_remote_code: bool):
 
 
 def _requested_lora(m, trust_remote_code: bool) -> dict:
-    from sft_recipe.model_structure import parse_target_parameters
+    from sft_recipe.model.structure import parse_target_parameters
 
     names = parse_target_parameters(getattr(m, "lora_target_parameters", ""))
     return {"r": m.lora_r, "lora_alpha": m.lora_alpha, "target_modules": _requested_targets(m, trust_remote_code),
@@ -180,7 +180,7 @@ def base_problems(checkpoint: str, saved: dict | None, m, trust_remote_code: boo
     head = f"--resume_from_checkpoint {checkpoint} was trained on {then}, but --model_name_or_path is {now_name}"
     if "shape" in saved:  # recorded by this version
         try:
-            from sft_recipe.model_shape import read_config
+            from sft_recipe.model.shape import read_config
 
             now_shape = config_shape(read_config(now_name, trust_remote_code))
         except Exception:  # an unreadable config is reported by validate's own checks

@@ -31,7 +31,6 @@ from sft_recipe.compat.accelerate_fsdp import (
 from sft_recipe.compat.cpu_module_sync import allow_fsdp1_module_sync_on_cpu, fsdp1_module_sync_allowed_on_cpu
 from sft_recipe.compat.fsdp1_dtype_units import wrap_other_dtypes_apart
 from sft_recipe.compat.fsdp2_buffers import load_persistent_buffers_apart
-from sft_recipe.compat.hub_kernels import packing_kernel_gaps
 from sft_recipe.compat.peft_embeddings import save_embedding_layers_for
 from sft_recipe.compat.peft_names import (
     fsdp1_checkpoint_model_io_with_clean_names,
@@ -43,6 +42,7 @@ from sft_recipe.compat.process import exit_skipping_teardown, restore_bnb_4bit_s
 from sft_recipe.compat.quantized_load import quantize_each_weight_on, quantized_base_device_map
 from sft_recipe.compat.trl_fused_head import fused_head_reads_what_it_needs
 from sft_recipe.compat.trl_prepare import without_rank_barriers
+from sft_recipe.model.kernels import packing_kernel_gaps
 
 logger = logging.getLogger(__name__)
 

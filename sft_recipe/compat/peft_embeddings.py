@@ -13,7 +13,7 @@ def save_embedding_layers_for(peft_model, trust_remote_code: bool = False) -> bo
     initialised rows for those tokens, not the ones it was trained with. Here the text config is read on both sides.
     When it can go: the gemma3-multimodal cell of tests/e2e/test_families.py saves the embedding rows without it.
     """
-    from sft_recipe.model_shape import read_config
+    from sft_recipe.model.shape import read_config
 
     config = peft_model.get_base_model().config
     if config.get_text_config() is config:

@@ -13,7 +13,7 @@ child that is its decoder (`get_decoder()`), for as long as the process lives.
 Bug 2: the expert count is read as `num_experts` alone. GraniteMoE, GraniteMoE-shared, PhiMoE, ... spell it
 `num_local_experts`, so the first step dies with "'GraniteMoeConfig' object has no attribute 'num_experts'". Fix:
 where the text config has no `num_experts`, it is given the count of routed experts the built model holds
-(`model_structure.expert_count`: the structure, not the config's spelling). Only the in-memory config is touched;
+(`model.structure.expert_count`: the structure, not the config's spelling). Only the in-memory config is touched;
 the run saves adapters, never the base model's config.
 
 When it can go: `tests/e2e/test_census.py` trains Llama-4-text and GraniteMoE without it (the census bench:
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 def _expose_backbone(model) -> None:
     """Bug 1's fix on one model: `base_model` answers with its decoder when the class's prefix names no child."""
-    from sft_recipe.model_reach import decoder_of
+    from sft_recipe.model.reach import decoder_of
 
     decoder = decoder_of(model)
     if model.base_model is not model or decoder is None:
@@ -38,7 +38,7 @@ def _expose_backbone(model) -> None:
 
 def _name_the_expert_count(model) -> None:
     """Bug 2's fix on one model: `num_experts` on the text config where the config spells it otherwise."""
-    from sft_recipe.model_structure import expert_count
+    from sft_recipe.model.structure import expert_count
 
     text_config = model.config.get_text_config()
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sft_recipe.model_shape import DTYPES, checkpoint_dtype
+from sft_recipe.model.shape import DTYPES, checkpoint_dtype
 
 
 def model_dtype(model_args) -> torch.dtype:

@@ -28,11 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from sft_recipe.artifacts.disk_full import error_chain, is_disk_full
 from sft_recipe.compat import installed_version
 from sft_recipe.config.args import DataTrainingArguments
 from sft_recipe.data.prepare import PreparedData, locate_splits, prepare, read_splits
-from sft_recipe.errors import ConfigError
+from sft_recipe.errors import ConfigError, error_chain, is_disk_full
 
 logger = logging.getLogger(__name__)
 

@@ -197,8 +197,8 @@ def deepspeed_distribution(cfg: dict, n: int, machines: int, mixed_precision: st
 def workload(model_args, data_args, training_args, device: str, dora: bool = False) -> Workload:
     from sft_recipe.config.dtypes import model_dtype
     from sft_recipe.data.chat_templates import CHAT_FORMATS
-    from sft_recipe.model_shape import DTYPES
-    from sft_recipe.model_structure import parse_target_modules
+    from sft_recipe.model.shape import DTYPES
+    from sft_recipe.model.structure import parse_target_modules
 
     quant = "4bit" if model_args.use_4bit_quantization else ("8bit" if model_args.use_8bit_quantization else None)
     load_bytes = model_dtype(model_args).itemsize

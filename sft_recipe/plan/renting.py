@@ -364,7 +364,7 @@ def _longest(run: Run, cfg: dict, training_args, budget: float, cap: int,
 def model_context_length(run: Run) -> int | None:
     """max_position_embeddings as the model's config declares it (None when it says none or cannot be read)."""
     try:
-        from sft_recipe.model_shape import read_config
+        from sft_recipe.model.shape import read_config
 
         where, _ = resolve_model_config_dir(run.model_args.model_name_or_path)
         config = read_config(where, bool(getattr(run.training_args, "trust_remote_code", False)))

@@ -46,7 +46,7 @@ class ModelShape:
     output_head: str  # leaf name of the output head
     checkpoint_bytes: int  # size of the weights on disk (safetensors files, else P x config dtype)
     # Every nn.Linear of the model as (full name, Linear), and the full names `all-linear` adapts on it
-    # (sft_recipe/model_structure.py: no routed experts, routers or vision tower; dense first layers counted apart).
+    # (sft_recipe/model/structure.py: no routed experts, routers or vision tower; dense first layers counted apart).
     linears: tuple[tuple[str, Linear], ...] = ()
     all_linear: frozenset[str] = frozenset()
     largest_layer: str = ""  # module name of the largest decoder layer
@@ -62,7 +62,7 @@ class ModelShape:
         return total
 
     def adapted_linears(self, targets: str | list[str]) -> list[Linear]:
-        """Every linear of the model the targets adapt: `all-linear` as model_structure resolves it, a list by
+        """Every linear of the model the targets adapt: `all-linear` as model/structure.py resolves it, a list by
         leaf name (PEFT's suffix match)."""
         return [lin for full, lin in self.linears if self._adapts(full, lin, targets)]
 
@@ -100,7 +100,7 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
     extra_vocab: rows the run adds to the embeddings (chat-template tokens), counted in embeddings and output head.
     """
 
-    from sft_recipe.model_shape import config_dtype, meta_model
+    from sft_recipe.model.shape import config_dtype, meta_model
 
     where, note = resolve_model_config_dir(model_name_or_path)
     try:
@@ -113,8 +113,8 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
             "for Llama-2-70B, or log in / go online for a Hub id."]) from None
     if extra_vocab:
         model.resize_token_embeddings(model.get_input_embeddings().weight.shape[0] + extra_vocab, mean_resizing=False)
-    from sft_recipe.model_shape import features, is_linear
-    from sft_recipe.model_structure import in_text_decoder, resolve_lora_targets, text_decoder_prefix
+    from sft_recipe.model.shape import features, is_linear
+    from sft_recipe.model.structure import in_text_decoder, resolve_lora_targets, text_decoder_prefix
 
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     # The decoder's layers: a multimodal checkpoint's vision/audio encoder layers count with the rest (root).
@@ -176,7 +176,7 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
 
 def config_vocab_size(model_name_or_path: str, trust_remote_code: bool = False) -> int:
     """V as the model's config declares it: the checkpoint's own vocabulary, before a chat template adds rows."""
-    from sft_recipe.model_shape import read_config
+    from sft_recipe.model.shape import read_config
 
     where, _ = resolve_model_config_dir(model_name_or_path)
     return read_config(where, trust_remote_code).get_text_config().vocab_size

@@ -189,7 +189,7 @@ def _modules_to_save(m, t) -> tuple[int, int]:
     names = {x.strip() for x in m.lora_modules_to_save.split(",") if x.strip()}
     if not names:
         return 0, 0
-    from sft_recipe.model_shape import meta_model
+    from sft_recipe.model.shape import meta_model
 
     params = {id(p): p for name, module in meta_model(m.model_name_or_path, bool(t.trust_remote_code))
               .named_modules() if name.rsplit(".", 1)[-1] in names for p in module.parameters()}

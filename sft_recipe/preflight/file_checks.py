@@ -168,7 +168,7 @@ def check_tokenizer(m: ModelArguments, tokenizer, resume_from: str | None, trust
 
     problems = tokenizer_size_problems(resume_from, tokenizer)
     try:
-        from sft_recipe.model_shape import read_config
+        from sft_recipe.model.shape import read_config
 
         config = read_config(m.model_name_or_path, trust_remote_code)
         rows = getattr(config.get_text_config(), "vocab_size", None)
@@ -182,7 +182,7 @@ def check_tokenizer(m: ModelArguments, tokenizer, resume_from: str | None, trust
                         "Fix: put the model's own tokenizer files in the folder (e.g. `hf download <repo> --include "
                         f"'tokenizer*' --local-dir {m.model_name_or_path}`).")
     if rows and len(tokenizer) > rows:
-        from sft_recipe.train.family_rules import token_table_problems
+        from sft_recipe.model.family_rules import token_table_problems
 
         problems += token_table_problems(m, len(tokenizer) - rows, trust_remote_code)
     if problems:

@@ -224,7 +224,7 @@ def tokenizer_flag_problems(m, t) -> list[str]:
 def _read_config(m, t):
     """The model's config (None where it cannot be read: validate names that problem itself)."""
     try:
-        from sft_recipe.model_shape import read_config
+        from sft_recipe.model.shape import read_config
 
         return read_config(m.model_name_or_path, t.trust_remote_code)
     except Exception as e:  # noqa: BLE001 -- said; validate names an unreadable config as a problem
@@ -287,7 +287,7 @@ def _position_kind(m, t, positions: int) -> str | None:
     or None (e.g. ALiBi: no position limit). Read from the model's modules, built on the meta device (no weights)."""
     import torch
 
-    from sft_recipe.model_shape import meta_model
+    from sft_recipe.model.shape import meta_model
 
     model = meta_model(m.model_name_or_path, t.trust_remote_code)
     tokens = model.get_input_embeddings()

@@ -13,8 +13,8 @@ from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
 from sft_recipe.config.optional_deps import bitsandbytes_optimizers, optional_dependency_problems
 from sft_recipe.data.prepare import locate_splits
 from sft_recipe.errors import ConfigError
-from sft_recipe.model_shape import DTYPES, linear_module_names, module_names
-from sft_recipe.model_structure import parse_target_modules
+from sft_recipe.model.shape import DTYPES, linear_module_names, module_names
+from sft_recipe.model.structure import parse_target_modules
 from sft_recipe.preflight.file_checks import config_file_problems, file_problems
 from sft_recipe.preflight.trainer_checks import trainer_problems
 from sft_recipe.train.model import flash_attn_problem
@@ -349,8 +349,8 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,
                         ".tiny`).")
     problems += config_file_problems(m)  # a local folder's config.json readable: the checks below read it
     if not any("--model_name_or_path" in p for p in problems):
+        from sft_recipe.model.architecture import architecture_problems
         from sft_recipe.preflight.load_checks import zero3_quantized_load_problems
-        from sft_recipe.train.architecture import architecture_problems
         from sft_recipe.train.gptq import gptq_problems
 
         problems += file_problems(m, d, r, t)  # weights, tokenizer files whole; a resume's base and LoRA shape the same

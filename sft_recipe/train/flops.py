@@ -54,10 +54,10 @@ class FlopsModel:
 
 def count_params(model) -> tuple[int, int]:
     """(weights each token multiplies, trainable) as the model's user sees them: 4-bit packed weights count their real
-    element count; routed experts (fused or listed, found from the structure: sft_recipe/model_structure.py) count
+    element count; routed experts (fused or listed, found from the structure: sft_recipe/model/structure.py) count
     their active fraction top-k / experts, since only the routed experts run for a token; shared experts, dense
     layers and routers count whole (the memory plan counts every expert: they are all held)."""
-    from sft_recipe.model_structure import active_expert_fraction, routed_expert_parameter_ids
+    from sft_recipe.model.structure import active_expert_fraction, routed_expert_parameter_ids
 
     active = active_expert_fraction(model)
     routed = routed_expert_parameter_ids(model) if active < 1 else set()

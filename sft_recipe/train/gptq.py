@@ -23,7 +23,7 @@ TRAINABLE_BACKEND = "auto_trainable"
 
 def checkpoint_quant_method(model_name_or_path: str, trust_remote_code: bool = False) -> str | None:
     """`quant_method` of a pre-quantized checkpoint ("gptq", "awq", ...), or None. Reads the config only."""
-    from sft_recipe.model_shape import read_config
+    from sft_recipe.model.shape import read_config
 
     try:
         config = read_config(model_name_or_path, trust_remote_code)
@@ -99,7 +99,7 @@ def loading_kwargs(m, trust_remote_code: bool = False) -> dict:
         return {}
     from transformers import GPTQConfig
 
-    from sft_recipe.model_shape import read_config
+    from sft_recipe.model.shape import read_config
 
     saved = read_config(m.model_name_or_path, trust_remote_code).quantization_config
     saved = saved if isinstance(saved, dict) else saved.to_dict()

@@ -22,7 +22,7 @@ class LostRank(Exception):
 
 def lost_a_rank(error: BaseException | None) -> bool:
     """Whether `error` (or what caused it) is a collective that failed because another rank is gone."""
-    from sft_recipe.artifacts.disk_full import is_disk_full
+    from sft_recipe.errors import is_disk_full
 
     if is_disk_full(error):  # a full disk on some rank ends every rank with exit 74 (train.py), not this
         return False

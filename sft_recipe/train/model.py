@@ -15,14 +15,14 @@ from sft_recipe.config.args import ModelArguments
 from sft_recipe.config.dtypes import model_dtype
 from sft_recipe.data.chat_templates import CHAT_FORMATS, PAD_TOKEN
 from sft_recipe.measure import live_tensor_mib, quant_state_tensors
-from sft_recipe.model_shape import DTYPES, read_config
-from sft_recipe.train.architecture import (
+from sft_recipe.model.architecture import (
     attention_implementation,
     attention_note,
     lora_target_parameters,
     lora_targets,
     ties_embeddings,
 )
+from sft_recipe.model.shape import DTYPES, read_config
 from sft_recipe.train.quantized_from_rank0 import make_4bit_layers, quantized_base_from_rank0, share_quantization_state
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@
 - A resume that loads no trainable weights stops the run instead of silently training from scratch; a checkpoint file
   that cannot be read (or does not fit this model) stops it with exit code 2, the file named, not a traceback.
 - Every checkpoint's marker records its files' sizes and checksums and what was trained (`resume_match.run_identity`).
-- A full disk at a checkpoint, on any rank, ends every rank (`disk_full.DiskFull`, exit 74); older checkpoints are
+- A full disk at a checkpoint, on any rank, ends every rank (`errors.DiskFull`, exit 74); older checkpoints are
   deleted for --save_total_limit only once the new one is marked complete.
 - Checkpoints hold no pickles of ours: RNG, scheduler and one-process optimizer state are safetensors/JSON
   (`state_io`); FSDP shards stay in torch's DCP format, whose `.metadata` pickle is allow-list-checked before loading.

@@ -48,8 +48,8 @@ def test_every_causal_lm_type_is_built_or_listed_with_why_and_gets_an_answer_up_
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from sft_recipe.model_structure import resolve_lora_targets
-    from sft_recipe.train.family_rules import family_problems
+    from sft_recipe.model.family_rules import family_problems
+    from sft_recipe.model.structure import resolve_lora_targets
 
     hf_logging.set_verbosity_error()
     model_args = SimpleNamespace(model_name_or_path="tiny", use_peft_lora=True, lora_target_modules="all-linear")
@@ -118,7 +118,7 @@ def test_a_family_of_each_class_trains_saves_a_verified_adapter_and_loads(cell, 
 
 def test_a_table_indexed_by_token_id_refuses_the_tokens_a_chat_format_adds(tokenizer, tmp_path):
     """DeepSeek-V4's hash router holds one row per vocabulary id: the chat format's new ids would index past it."""
-    from sft_recipe.train.family_rules import token_table_problems
+    from sft_recipe.model.family_rules import token_table_problems
 
     for model_type, refused in (("deepseek_v4", True), ("xlstm", True), ("llama", False), ("qwen2", False)):
         folder = tmp_path / model_type
@@ -131,7 +131,7 @@ def test_a_table_indexed_by_token_id_refuses_the_tokens_a_chat_format_adds(token
 
 
 def _problems_of(folder) -> str:
-    from sft_recipe.train.family_rules import token_table_problems
+    from sft_recipe.model.family_rules import token_table_problems
 
     return " ".join(token_table_problems(SimpleNamespace(model_name_or_path=str(folder),
                                                          chat_template_format="chatml"), added_tokens=3))

@@ -1,4 +1,4 @@
-"""What each model family needs (sft_recipe.train.architecture), decided from its config: attention, what
+"""What each model family needs (sft_recipe.model.architecture), decided from its config: attention, what
 `all-linear` adapts, fused-expert targets, tied embeddings kept tied, resized vocabularies of nested configs saved."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from sft_recipe.config.args import ModelArguments
-from sft_recipe.model_shape import meta_model
-from sft_recipe.model_structure import fused_expert_parameters
-from sft_recipe.train import architecture
+from sft_recipe.model import architecture
+from sft_recipe.model.shape import meta_model
+from sft_recipe.model.structure import fused_expert_parameters
 from sft_recipe.train.model import attention_kwargs, materialize_meta_parameters
 
 
@@ -120,7 +120,7 @@ def test_the_plan_reads_each_familys_shape_from_its_config(family_model, family)
     """Nested text configs, head_dim != hidden/heads, fused experts and non-Llama layouts are counted as built."""
     from transformers import AutoModelForCausalLM
 
-    from sft_recipe.model_structure import active_expert_fraction
+    from sft_recipe.model.structure import active_expert_fraction
     from sft_recipe.plan import model_shape
     from sft_recipe.train.flops import count_params
 

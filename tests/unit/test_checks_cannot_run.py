@@ -33,7 +33,7 @@ def _args(tiny, tmp_path, *extra):
 @pytest.mark.parametrize("broken,check", [("flash_attention_problem", "the flash-attention check"),
                                           ("tied_training_problem", "the tied-embedding check")])
 def test_one_architecture_check_failing_keeps_the_others_findings(broken, check, tiny, tmp_path, monkeypatch, caplog):
-    from sft_recipe.train import architecture
+    from sft_recipe.model import architecture
 
     m, _, _, t = _args(tiny, tmp_path)
     other = "tied_training_problem" if broken == "flash_attention_problem" else "flash_attention_problem"
@@ -46,12 +46,12 @@ def test_one_architecture_check_failing_keeps_the_others_findings(broken, check,
 
 
 def test_the_family_rules_failing_is_said(tiny, tmp_path, monkeypatch, caplog):
-    from sft_recipe.train import family_rules
+    from sft_recipe.model import family_rules
 
     m, _, _, t = _args(tiny, tmp_path)
     monkeypatch.setattr(family_rules, "family_problems", _boom)
     with caplog.at_level(logging.WARNING):
-        from sft_recipe.train.architecture import architecture_problems
+        from sft_recipe.model.architecture import architecture_problems
 
         architecture_problems(m, t, LaunchEnv())
     assert _said(caplog, "the model family's rules")
@@ -82,7 +82,7 @@ def test_the_qlora_zero3_load_check_failing_is_said(tiny, tmp_path, monkeypatch,
 
 @pytest.mark.parametrize("target,check", [
     ("sft_recipe.train.model.load_tokenizer", "the --eos_token/--pad_token check"),
-    ("sft_recipe.model_shape.read_config", "the checks that read the model's config"),
+    ("sft_recipe.model.shape.read_config", "the checks that read the model's config"),
 ])
 def test_trainer_checks_failing_are_said(target, check, tiny, tmp_path, monkeypatch, caplog):
     from sft_recipe.preflight import trainer_checks
@@ -98,7 +98,7 @@ def test_trainer_checks_failing_are_said(target, check, tiny, tmp_path, monkeypa
 
 
 def test_the_position_check_failing_is_said(tiny, tmp_path, monkeypatch, caplog):
-    from sft_recipe.model_shape import read_config
+    from sft_recipe.model.shape import read_config
     from sft_recipe.preflight import trainer_checks
 
     m, _, _, t = _args(tiny, tmp_path, "--max_seq_len", "100000")  # beyond the tiny model's positions
@@ -114,7 +114,7 @@ def test_the_tokenizer_size_check_failing_is_said(tiny, tmp_path, monkeypatch, c
     from sft_recipe.preflight.file_checks import check_tokenizer
 
     m, _, _, t = _args(tiny, tmp_path)
-    monkeypatch.setattr("sft_recipe.model_shape.read_config", _boom)
+    monkeypatch.setattr("sft_recipe.model.shape.read_config", _boom)
     with caplog.at_level(logging.WARNING):
         check_tokenizer(m, AutoTokenizer.from_pretrained(str(tiny.model_dir)), None)
     assert _said(caplog, "the tokenizer-vs-embeddings size check")

@@ -16,7 +16,11 @@ def test_every_workaround_function_is_registered_and_each_registered_one_exists(
     public = {name for path in (REPO / "sft_recipe" / "compat").glob("*.py") if not path.name.startswith("__")
               for name in (n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef))
               if not name.startswith("_")}
-    assert public - set(HELPERS) == {w.name for w in WORKAROUNDS}
+    # Every workaround defined in compat is registered; a registered one may live in the room whose rule it serves
+    # (model/kernels.py: which mixers lack their kernels decides a packing refusal) and is reached through compat.
+    registered = {w.name for w in WORKAROUNDS}
+    assert public - set(HELPERS) <= registered
+    assert registered - public == {"packing_kernel_gaps"}
     for w in WORKAROUNDS:
         assert callable(getattr(compat, w.name)) and w.can_go_when
 

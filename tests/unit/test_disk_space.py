@@ -19,9 +19,10 @@ from collections import namedtuple
 import pytest
 
 from sft_recipe.artifacts.checkpoints import COMPLETE_MARKER, intact_checkpoints, resolve_resume
-from sft_recipe.artifacts.disk_full import DISK_FULL_EXIT_CODE, DiskFull, folder_bytes, guarded_save, is_disk_full
+from sft_recipe.artifacts.disk_full import DISK_FULL_EXIT_CODE, folder_bytes, guarded_save
 from sft_recipe.config.args import parse_args
 from sft_recipe.config.launch_env import LaunchEnv
+from sft_recipe.errors import DiskFull, is_disk_full
 from sft_recipe.preflight.disk_space import disk_space_problems, estimate_writes
 from tests.helpers import run_train_in_process
 

@@ -1,5 +1,5 @@
-"""What training runs of a model, asked of the model and the libraries (sft_recipe/model_reach.py), and the family
-refusals built on it (sft_recipe/train/family_rules.py), on tiny meta-device models from transformers' own config
+"""What training runs of a model, asked of the model and the libraries (sft_recipe/model/reach.py), and the family
+refusals built on it (sft_recipe/model/family_rules.py), on tiny meta-device models from transformers' own config
 classes: a decoder-only Llama, Gemma (tied) and Mixtral (MoE) that nothing refuses; BERT as a causal LM (a prediction
 head TRL never runs); CTRL (no activation checkpointing); TrOCR (cross-attention nothing calls); Mamba (PEFT refuses
 out_proj, dt_proj's weight is read directly, the conv kernels are missing here); Jamba (out_proj allowed); Qwen3.5
@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sft_recipe import model_reach as reach
-from sft_recipe.compat.hub_kernels import packing_kernel_gaps
 from sft_recipe.compat.trl_fused_head import _expose_backbone, _name_the_expert_count
-from sft_recipe.model_structure import resolve_lora_targets
-from sft_recipe.train.family_rules import family_problems
+from sft_recipe.model import reach
+from sft_recipe.model.family_rules import family_problems
+from sft_recipe.model.kernels import packing_kernel_gaps
+from sft_recipe.model.structure import resolve_lora_targets
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=128)
@@ -178,7 +178,7 @@ def test_a_router_loss_without_routed_experts_of_mixtrals_kind_is_refused_with_t
 def test_a_config_transformers_cannot_build_as_a_causal_lm_is_refused_before_the_load(tmp_path):
     import transformers
 
-    from sft_recipe.train.architecture import architecture_problems
+    from sft_recipe.model.architecture import architecture_problems
 
     transformers.Emu3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                 num_key_value_heads=2, vocab_size=128).save_pretrained(str(tmp_path))

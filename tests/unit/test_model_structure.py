@@ -1,4 +1,4 @@
-"""MoE rules read from module structure (sft_recipe/model_structure.py), on tiny meta-device models of every MoE
+"""MoE rules read from module structure (sft_recipe/model/structure.py), on tiny meta-device models of every MoE
 style transformers 5 builds: fused experts with an nn.Linear router (Mixtral, Qwen3-MoE, OLMoE, PhiMoE, GraniteMoE,
 GPT-OSS, Jamba), a router that is no nn.Linear plus shared experts and dense first layers (DeepSeek-V2/V3, GLM-4-MoE,
 ERNIE-4.5), a gated shared expert (Qwen2-MoE, Qwen3-Next, whose linear attention holds a 3-D Conv1d weight), and a
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sft_recipe import model_structure as ms
+from sft_recipe.model import structure as ms
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=128)
@@ -195,7 +195,7 @@ def test_the_plan_counts_the_lora_parameters_peft_creates_and_the_largest_layer(
 
 
 def test_lora_targets_of_a_path_are_resolved_once(tmp_path, monkeypatch):
-    import sft_recipe.model_shape as model_shape
+    import sft_recipe.model.shape as model_shape
 
     _config("DeepseekV3Config").save_pretrained(tmp_path)
     built = []

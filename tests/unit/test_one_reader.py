@@ -1,4 +1,4 @@
-"""One reader each: a model's config is read by sft_recipe.model_shape alone (once per run and path, each caller
+"""One reader each: a model's config is read by sft_recipe.model.shape alone (once per run and path, each caller
 its own copy), and the dtype a config declares has one interpretation that loading, the plan and merge share."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from sft_recipe import model_shape
+from sft_recipe.model import shape as model_shape
 from tests.helpers import REPO
 
 
@@ -26,7 +26,7 @@ def _calls_of(attribute: str) -> list[str]:
 
 def test_only_the_ground_floor_reads_a_model_config():
     readers = _calls_of("from_pretrained")
-    assert readers and all(r.startswith("sft_recipe/model_shape.py:") for r in readers), readers
+    assert readers and all(r.startswith("sft_recipe/model/shape.py:") for r in readers), readers
 
 
 def test_a_config_is_read_once_per_path_and_each_caller_gets_its_own_copy(tiny, monkeypatch):

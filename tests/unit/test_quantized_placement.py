@@ -85,7 +85,7 @@ def test_transformers_still_loads_a_quantized_base_onto_the_gpu(monkeypatch, qua
     from transformers.modeling_utils import caching_allocator_warmup, expand_device_map
     from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
-    from sft_recipe.model_shape import meta_model
+    from sft_recipe.model.shape import meta_model
 
     quantized_bytes = sum(p.numel() * p.element_size() for p in quantized_tiny.parameters())
     quantizer = Bnb4BitHfQuantizer(bnb_config(qlora_args()))

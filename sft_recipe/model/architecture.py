@@ -3,7 +3,7 @@
 - Attention: `--use_flash_attn True` asks for flash_attention_2 and is refused up front for a class transformers
   implements without it; otherwise transformers picks the best its class supports (SDPA where it exists, else eager:
   Gemma-2's soft-capped attention), said once in the log.
-- What `all-linear` adapts, and which parameters are routed experts: sft_recipe/model_structure.py, read from the
+- What `all-linear` adapts, and which parameters are routed experts: sft_recipe/model/structure.py, read from the
   module structure. Experts are adapted only when named (`--lora_target_parameters`, through PEFT's ParamWrapper,
   which has no dropout), the router never.
 - Tied input/output embeddings: which parameter names share one tensor.
@@ -12,15 +12,19 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
-from sft_recipe.config.args import ModelArguments
 from sft_recipe.errors import check_not_run
-from sft_recipe.model_structure import (
+from sft_recipe.model.structure import (
     LoraTargets,
     fused_expert_parameters,
     lora_targets_of,
     parse_target_parameters,
 )
+
+# The flags these checks read (sft_recipe.config.args.ModelArguments), named but not imported: the model room stands
+# below the settings it is asked with.
+ModelArguments = Any
 
 
 def attention_implementation(model_args: ModelArguments) -> str | None:
@@ -30,7 +34,7 @@ def attention_implementation(model_args: ModelArguments) -> str | None:
 
 @lru_cache(maxsize=16)
 def _meta(model_name_or_path: str, trust_remote_code: bool):
-    from sft_recipe.model_shape import meta_model
+    from sft_recipe.model.shape import meta_model
 
     return meta_model(model_name_or_path, trust_remote_code)
 
@@ -60,7 +64,7 @@ def attention_note(model) -> str:
 
 
 def lora_targets(model_args: ModelArguments, trust_remote_code: bool = False) -> LoraTargets:
-    """What --lora_target_modules means for this model (sft_recipe/model_structure.py): `.target_modules` is what
+    """What --lora_target_modules means for this model (sft_recipe/model/structure.py): `.target_modules` is what
     LoraConfig gets, `.note()` what all-linear leaves out and why."""
     return lora_targets_of(model_args.lora_target_modules, model_args.model_name_or_path, trust_remote_code)
 
@@ -120,7 +124,7 @@ def architecture_problems(model_args: ModelArguments, t, launch=None) -> list[st
     trust_remote_code = bool(getattr(t, "trust_remote_code", False))
     if (problem := unbuildable_problem(model_args, trust_remote_code)) is not None:
         return [problem]
-    from sft_recipe.train.family_rules import family_problems
+    from sft_recipe.model.family_rules import family_problems
 
     checks = (("the flash-attention check", lambda: flash_attention_problem(model_args, trust_remote_code)),
               ("the tied-embedding check", lambda: tied_training_problem(model_args, trust_remote_code, launch)),
@@ -141,7 +145,7 @@ def unbuildable_problem(model_args: ModelArguments, trust_remote_code: bool = Fa
     """A config that reads but that AutoModelForCausalLM cannot build (Emu3's saved text config is registered for no
     causal-LM class in transformers 5.24): said before the load, in the library's words. None when it builds, or
     when the config itself cannot be read (the model-path checks name that)."""
-    from sft_recipe.model_shape import read_config
+    from sft_recipe.model.shape import read_config
 
     try:
         config = read_config(model_args.model_name_or_path, trust_remote_code)

@@ -1,5 +1,5 @@
 """What a model family allows, read from the model class, its config and the libraries' own declarations on the
-meta device (sft_recipe/model_reach.py), never from a list of family names. Each refusal comes before any weight
+meta device (sft_recipe/model/reach.py), never from a list of family names. Each refusal comes before any weight
 loads, with what works instead:
 
 - no decoder-only causal-LM layout TRL can train: the class holds parameters outside its backbone and output head
@@ -8,23 +8,23 @@ loads, with what works instead:
 - `--gradient_checkpointing True` on a class that declares `supports_gradient_checkpointing = False` (CTRL,
   OpenAI-GPT, JetMoE, ...: transformers raises after the load);
 - `--packing True` where the model's sequence-mixing functions fall back on torch code that cannot keep packed
-  sequences apart without a kernel package (compat/hub_kernels.py: Mamba, hybrids, linear attention);
+  sequences apart without a kernel package (model/kernels.py: Mamba, hybrids, linear attention);
 - a router auxiliary loss (TRL computes Mixtral's) on a model without routed experts of that kind;
 - `--lora_target_modules` naming linears the training forward does not train as plain linears, or that PEFT
-  refuses for this model type (all-linear leaves both out, and says so: model_structure.LoraTargets.note).
+  refuses for this model type (all-linear leaves both out, and says so: structure.LoraTargets.note).
 """
 
 from __future__ import annotations
 
-from sft_recipe.compat.hub_kernels import packing_kernel_gaps
-from sft_recipe.model_reach import (
+from sft_recipe.model.kernels import packing_kernel_gaps
+from sft_recipe.model.reach import (
     gradient_checkpointing_support,
     head_bypassed_modules,
     peft_refused,
     reached_linears,
 )
-from sft_recipe.model_shape import is_linear
-from sft_recipe.model_structure import expert_blocks, parse_target_modules, peft_adapts
+from sft_recipe.model.shape import is_linear
+from sft_recipe.model.structure import expert_blocks, parse_target_modules, peft_adapts
 
 
 def family_problems(model_args, t, model) -> list[str]:
@@ -106,7 +106,7 @@ def token_table_problems(model_args, added_tokens: int, trust_remote_code: bool 
     beside them (DeepSeek-V4's hash router `tid2eid`, one row per vocabulary id): the first new id would index past
     its end mid-step. Found on the meta device as any tensor, other than the embeddings, with one row per id. And
     the resize itself, tried on the meta device: a class whose resize fails (xLSTM) is refused here too."""
-    from sft_recipe.model_shape import meta_model
+    from sft_recipe.model.shape import meta_model
 
     try:
         model = meta_model(model_args.model_name_or_path, trust_remote_code)

@@ -20,7 +20,7 @@ Rules (every MoE family transformers 5 builds follows them; tests/unit/test_mode
 - Dense MLP layers (DeepSeek's first `first_k_dense_replace` layers) sit outside every MoE block: ordinary linears.
 
 What `all-linear` means (`resolve_lora_targets`): every linear layer (nn.Linear, or GPT-2's Conv1D) of the text
-decoder the training forward calls (model_reach), but the output head, the routed experts, the gating and what PEFT
+decoder the training forward calls (reach.py), but the output head, the routed experts, the gating and what PEFT
 refuses on the model type (Mamba's out_proj). PEFT's own all-linear reaches further on MoE models and breaks the
 run: on transformers 5 it adds the fused experts and the router as `target_parameters`, whose ParamWrapper raises on the
 guide's lora_dropout 0.1. So for an MoE or multimodal model the rule is handed to PEFT as explicit names, checked
@@ -41,8 +41,8 @@ from functools import lru_cache
 
 import torch
 
-from sft_recipe.model_reach import peft_refused, reached_linears
-from sft_recipe.model_shape import is_linear
+from sft_recipe.model.reach import peft_refused, reached_linears
+from sft_recipe.model.shape import is_linear
 
 # Module names of the non-text parts of multimodal models in transformers 5 (vision/audio encoders, projectors).
 NON_TEXT_PARTS = ("vision_tower", "vision_model", "visual", "audio_tower", "multi_modal_projector", "vision_embed")
@@ -210,7 +210,7 @@ class LoraTargets:
     modules: frozenset[str] = field(default_factory=frozenset)  # the modules PEFT adapts with it
     left_out: tuple[str, ...] = ()                 # linears all-linear means that PEFT cannot adapt here
     rewritten: tuple[str, ...] = ()                # names PEFT turns into fused-expert parameter targets
-    unreached: tuple[str, ...] = ()                # linears training never changes (model_reach)
+    unreached: tuple[str, ...] = ()                # linears training never changes (reach.py)
     refused: tuple[str, ...] = ()                  # linears PEFT's compatibility check refuses on this model
 
     def note(self) -> str | None:
@@ -318,7 +318,7 @@ def resolve_lora_targets(value: str, model) -> LoraTargets:
 def lora_targets_of(value: str, model_name_or_path: str, trust_remote_code: bool = False) -> LoraTargets:
     """`resolve_lora_targets` for a model on disk, built on the meta device once per (flag, model) in a run: the
     load, the validation, the resume check and the plan all ask, and must get the same answer."""
-    from sft_recipe.model_shape import meta_model
+    from sft_recipe.model.shape import meta_model
 
     if not model_name_or_path:  # nothing to resolve against: the flag as given
         return LoraTargets(parse_target_modules(value))

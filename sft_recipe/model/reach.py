@@ -27,7 +27,7 @@ from unittest import mock
 
 import torch
 
-from sft_recipe.model_shape import features, is_linear
+from sft_recipe.model.shape import features, is_linear
 
 
 def decoder_of(model):
