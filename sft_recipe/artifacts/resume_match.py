@@ -128,7 +128,7 @@ def _requested_lora(m, trust_remote_code: bool) -> dict:
     names = parse_target_parameters(getattr(m, "lora_target_parameters", ""))
     return {"r": m.lora_r, "lora_alpha": m.lora_alpha, "target_modules": _requested_targets(m, trust_remote_code),
             "target_parameters": sorted(names), "use_dora": bool(m.use_dora),
-            "modules_to_save": _suffixes(x.strip() for x in m.lora_modules_to_save.split(",") if x.strip())}
+            "modules_to_save": _suffixes(m.modules_to_save)}
 
 
 def _flag_value(value) -> str:

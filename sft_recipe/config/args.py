@@ -90,6 +90,11 @@ class ModelArguments:
     )
     # trust_remote_code is SFTConfig's own flag (default False); upstream hard-codes it on, we never do.
 
+    @property
+    def modules_to_save(self) -> list[str]:
+        """--lora_modules_to_save as names (the one place the comma list is read)."""
+        return [name.strip() for name in self.lora_modules_to_save.split(",") if name.strip()]
+
 
 @dataclass
 class DataTrainingArguments:

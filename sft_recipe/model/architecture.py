@@ -167,7 +167,7 @@ def tied_training_problem(model_args: ModelArguments, trust_remote_code: bool = 
     `tie_weights()`, which fails on PEFT's wrappers ("attribute 'weight' already exists") after loading."""
     if launch is None or launch.requested_fsdp_version != 2 or not launch.cpu_ram_efficient_loading:
         return None
-    saved = {m.strip() for m in model_args.lora_modules_to_save.split(",") if m.strip()}
+    saved = set(model_args.modules_to_save)
     embedding_trained = bool(saved & {"embed_tokens", "lm_head", "wte", "embed_out"}) or model_args.train_new_tokens
     if not (model_args.use_peft_lora and embedding_trained and ties_embeddings(model_args, trust_remote_code)):
         return None

@@ -186,7 +186,7 @@ def _trainable(m, d, t):
 
 def _modules_to_save(m, t) -> tuple[int, int]:
     """(parameters, tensors) of the modules --lora_modules_to_save trains in full, from the meta model."""
-    names = {x.strip() for x in m.lora_modules_to_save.split(",") if x.strip()}
+    names = set(m.modules_to_save)
     if not names:
         return 0, 0
     from sft_recipe.model.shape import meta_model

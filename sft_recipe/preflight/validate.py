@@ -80,7 +80,7 @@ def _adapter_variant_problems(m: ModelArguments, t, launch: LaunchEnv) -> list[s
     problems = []
     fsdp_version = launch.requested_fsdp_version
     extras = [f for f in ("use_dora", "train_new_tokens") if getattr(m, f)]
-    extras += ["lora_modules_to_save"] if m.lora_modules_to_save.strip() else []
+    extras += ["lora_modules_to_save"] if m.modules_to_save else []
     if extras and not m.use_peft_lora:
         problems.append(f"--{extras[0]} configures the LoRA adapter, but --use_peft_lora is False. Fix: "
                         "--use_peft_lora True.")
@@ -99,7 +99,7 @@ def _adapter_variant_problems(m: ModelArguments, t, launch: LaunchEnv) -> list[s
                         "sharded on this stack (FSDP1: a flat parameter mixing frozen and trainable tensors; FSDP2: "
                         "index_copy mixes a Tensor with DTensor shards). Fix: with FSDP2, --lora_modules_to_save "
                         "embed_tokens,lm_head (trains those modules in full); or train in one process.")
-    if m.lora_modules_to_save.strip() and fsdp_version == 1:
+    if m.modules_to_save and fsdp_version == 1:
         problems.append("--lora_modules_to_save under FSDP1: TRL's fused LM head reads lm_head's weight outside "
                         "the FSDP1 unit that owns it, and saving an embed_tokens copy hangs the final gather. Fix: "
                         "FSDP2 (configs/fsdp2_config.yaml; CPU: configs/cpu/fsdp2_config.yaml), or one process.")
@@ -196,7 +196,7 @@ def torch_cuda_count() -> int:
 
 def _lora_target_problems(m: ModelArguments, t) -> list[str]:
     """Named LoRA target modules must exist in the model: checked on the meta device from its config (no weights)."""
-    to_save = [x.strip() for x in m.lora_modules_to_save.split(",") if x.strip()]
+    to_save = m.modules_to_save
     if not m.use_peft_lora or (m.lora_target_modules.strip() in ("", "all-linear") and not to_save):
         return []
     try:

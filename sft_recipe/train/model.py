@@ -281,16 +281,12 @@ def added_token_ids(model_args: ModelArguments, tokenizer, trust_remote_code: bo
 def untrained_token_note(model_args: ModelArguments, new_token_ids: list[int]) -> str | None:
     """A warning when the chat format added tokens whose rows nothing will train."""
     trained = model_args.train_new_tokens or {"embed_tokens", "lm_head"} & set(
-        _comma_list(model_args.lora_modules_to_save))
+        model_args.modules_to_save)
     if not new_token_ids or not model_args.use_peft_lora or trained:
         return None
     return (f"{len(new_token_ids)} tokens added for --chat_template_format {model_args.chat_template_format} keep "
             "random embedding and output rows (LoRA does not train them). To learn them: --train_new_tokens True "
             "(one process) or --lora_modules_to_save embed_tokens,lm_head (one process or FSDP2).")
-
-
-def _comma_list(value: str) -> list[str]:
-    return [m.strip() for m in value.split(",") if m.strip()]
 
 
 def lora_config(model_args: ModelArguments, new_token_ids: list[int] | None = None, trust_remote_code: bool = False):
@@ -304,7 +300,7 @@ def lora_config(model_args: ModelArguments, new_token_ids: list[int] | None = No
         return None
     from peft import LoraConfig
 
-    modules_to_save = _comma_list(model_args.lora_modules_to_save) or None
+    modules_to_save = model_args.modules_to_save or None
     trainable_tokens = None
     if model_args.train_new_tokens and new_token_ids:
         layers = [name for name in ("embed_tokens", "lm_head") if name not in (modules_to_save or [])]

@@ -98,3 +98,12 @@ def test_bad_choice_is_a_config_error():
 def test_a_repeated_flag_takes_the_last_value_as_argparse_does():
     # the launch scripts rely on it: extra flags appended after the guide's override them
     assert parse_args(["--output_dir", "o", "--max_seq_len", "2048", "--max_seq_len", "128"])[3].max_length == 128
+
+
+def test_modules_to_save_is_read_in_one_place():
+    """--lora_modules_to_save as names: the property every room asks (LoRA config, checks, disk estimate, resume)."""
+    from sft_recipe.config.args import ModelArguments
+
+    names = ModelArguments(lora_modules_to_save=" embed_tokens , lm_head,").modules_to_save
+    assert names == ["embed_tokens", "lm_head"]
+    assert ModelArguments().modules_to_save == []

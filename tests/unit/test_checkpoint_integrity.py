@@ -213,7 +213,8 @@ def test_an_earlier_versions_checkpoint_is_compared_through_its_adapter_config(t
     assert "(--lora_r 4 now, 8 in the checkpoint)" in _resume_problems(
         tiny, checkpoint, tmp_path, "--lora_r", "4", "--lora_target_modules", "q_proj")
     m = SimpleNamespace(model_name_or_path="org/other", use_peft_lora=True, lora_r=8, lora_alpha=16,
-                        lora_target_modules="q_proj", use_dora=False, lora_modules_to_save="")
+                        lora_target_modules="q_proj", use_dora=False, lora_modules_to_save="",
+                        modules_to_save=[])
     config = json.loads((checkpoint / "adapter_config.json").read_text())
     (checkpoint / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "org/base"}))
     (problem,) = resume_mismatch_problems(str(checkpoint), m)  # two Hub ids
