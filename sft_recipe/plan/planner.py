@@ -23,7 +23,7 @@ from sft_recipe.plan.gpu import (
     quantization_seconds,
 )
 from sft_recipe.plan.inputs import Distribution, Workload, check_inputs, distribution, read_accelerate_config, workload
-from sft_recipe.plan.result import GPU_PLAN_ERROR_BELOW, LadderStep, MemoryPlan
+from sft_recipe.plan.result import LadderStep, MemoryPlan, fits_budget
 from sft_recipe.plan.shape import ModelShape, model_shape
 
 ADAPTER_DTYPE_BYTES = {None: 0, "float32": 4, "bfloat16": 2}
@@ -121,11 +121,6 @@ def _peak(shape, w, d, budget, device, knobs) -> float:
     return _plan(shape, w, d, budget, device, knobs).peak_gib
 
 
-def _fits(peak_gib: float, budget: float, device: str) -> bool:
-    """What MemoryPlan.verdict calls "fits": on GPUs, with the plan's measured error as headroom."""
-    return peak_gib * (1 + GPU_PLAN_ERROR_BELOW if device == "cuda" else 1) <= budget
-
-
 def fit_ladder(shape: ModelShape, w: Workload, d: Distribution, budget: float, device: str,
                knobs: dict) -> list[LadderStep]:
     """The cheapest changes, applied one after the other, until the run fits:
@@ -141,8 +136,8 @@ def fit_ladder(shape: ModelShape, w: Workload, d: Distribution, budget: float, d
         if peak >= current - 1e-9:
             return False
         w, d, current = w2, d2, peak
-        steps.append(LadderStep(change, how, round(peak, 3), _fits(peak, budget, device)))
-        return _fits(peak, budget, device)
+        steps.append(LadderStep(change, how, round(peak, 3), fits_budget(peak, budget, device)))
+        return fits_budget(peak, budget, device)
 
     if not w.gradient_checkpointing and consider(
             "gradient checkpointing", "--gradient_checkpointing True", replace(w, gradient_checkpointing=True), d):
@@ -160,7 +155,7 @@ def fit_ladder(shape: ModelShape, w: Workload, d: Distribution, budget: float, d
         global_batch = w.micro_batch * w.grad_accum
         for b in [x for x in range(w.micro_batch - 1, 0, -1) if w.micro_batch % x == 0]:
             w2 = replace(w, micro_batch=b, grad_accum=global_batch // b)
-            if _fits(_peak(shape, w2, d, budget, device, knobs), budget, device) or b == 1:
+            if fits_budget(_peak(shape, w2, d, budget, device, knobs), budget, device) or b == 1:
                 if consider(f"micro-batch {b}, accumulation {global_batch // b} (same global batch)",
                             f"--per_device_train_batch_size {b} --gradient_accumulation_steps {global_batch // b}",
                             w2, d):
@@ -190,7 +185,7 @@ def fit_ladder(shape: ModelShape, w: Workload, d: Distribution, budget: float, d
         d2 = replace(d, kind=d.kind if d.kind == "deepspeed" else "fsdp", num_processes=n,
                      num_machines=max(1, math.ceil(n / per_machine)),
                      sharding=d.sharding if d.kind == "fsdp" else "FULL_SHARD")
-        if _fits(_peak(shape, w, d2, budget, device, knobs), budget, device):
+        if fits_budget(_peak(shape, w, d2, budget, device, knobs), budget, device):
             consider(f"{n} GPUs" if device == "cuda" else f"{n} processes",
                      f"--num_processes {n} (global batch grows {n / d.num_processes:g}x: lower "
                      "--gradient_accumulation_steps to keep it)", w, d2)

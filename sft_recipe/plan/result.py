@@ -13,6 +13,12 @@ MIB = 2 ** 20
 GPU_PLAN_ERROR_BELOW = 0.11
 
 
+def fits_budget(peak_gib: float, budget_gib: float, device: str) -> bool:
+    """"fits" (the one definition, MemoryPlan.verdict and the fit ladder ask it): on GPUs the peak with the plan's
+    measured error beyond it (GPU_PLAN_ERROR_BELOW) fits the budget; on the CPU the peak itself does."""
+    return peak_gib * (1 + GPU_PLAN_ERROR_BELOW if device == "cuda" else 1) <= budget_gib
+
+
 @dataclass
 class Row:
     name: str
@@ -79,10 +85,10 @@ class MemoryPlan:
         """"fits": the peak, and the plan's measured error on GPUs beyond it (GPU_PLAN_ERROR_BELOW), fit the budget;
         "tight": the peak fits only within that error, or only if the caching allocator gives back what it holds
         beyond the tensors (it frees cached blocks and retries before it fails, at some speed); "does not fit"."""
-        if self.device != "cuda":
-            return "fits" if self.headroom_gib >= 0 else "does not fit"
-        if self.peak_gib * (1 + GPU_PLAN_ERROR_BELOW) <= self.budget_gib:
+        if fits_budget(self.peak_gib, self.budget_gib, self.device):
             return "fits"
+        if self.device != "cuda":
+            return "does not fit"
         return "tight" if self.peak_gib - self.allocator_reserve_gib <= self.budget_gib else "does not fit"
 
     @property
