@@ -46,6 +46,7 @@ from sft_recipe.train.model import added_token_ids, load_model, load_tokenizer, 
 from sft_recipe.train.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_FILE, Preempted, StopAtStepEnd
 from sft_recipe.train.quantized_identity import check_quantized_base_identical
 from sft_recipe.train.record import RunRecord
+from sft_recipe.train.start_adapter import load_start_adapter
 from sft_recipe.train.trainer import RecipeSFTTrainer
 
 logger = logging.getLogger("train")
@@ -107,6 +108,8 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
         peft_config=lora_config(model_args, new_token_ids, training_args.trust_remote_code),
         verify_adapter=recipe_args.verify_adapter,
     )
+    if model_args.adapter_name_or_path and not resume_from:  # its weights, before any engine wraps the model
+        load_start_adapter(trainer.model, model_args.adapter_name_or_path)
     confirm_report(report, data, trainer.train_dataset, training_args, launch.is_main_process)  # the trainer's counts
     record = RunRecord.attach(trainer, recipe_args.peak_tflops_per_device)  # how it ran, tokens/s, memory, losses
     record.set("data", **data.preparation)  # which ranks prepared the data, which read their copy

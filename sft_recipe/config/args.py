@@ -51,6 +51,12 @@ class ModelArguments:
         metadata={"help": "DoRA: weight-decomposed LoRA (a learned magnitude per output feature on top of LoRA); "
                           "with 4-bit quantization this is QDoRA. Slower per step than LoRA."},
     )
+    adapter_name_or_path: str = field(
+        default="",
+        metadata={"help": "Train an existing LoRA adapter further (a folder or a Hub id), with a new optimizer and "
+                          "schedule: its rank, alpha, targets and weights are the start (LoRA flags that disagree are "
+                          "refused). Not a resume: that is --resume_from_checkpoint."},
+    )
     lora_modules_to_save: str = field(
         default="",
         metadata={"help": "Comma-separated modules trained in full and saved with the adapter, e.g. "

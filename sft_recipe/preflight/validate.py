@@ -355,6 +355,10 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,
 
         problems += file_problems(m, d, r, t)  # weights, tokenizer files whole; a resume's base and LoRA shape the same
         problems += _lora_target_problems(m, t)
+        from sft_recipe.config.args import ModelArguments
+        from sft_recipe.train.start_adapter import start_adapter_problems
+
+        problems += start_adapter_problems(m, ModelArguments())  # an adapter trained further: its kind, base, shape
         problems += gptq_problems(m, t, launch)
         problems += zero3_quantized_load_problems(m, d, t, launch)  # needs the model's config
         problems += architecture_problems(m, t, launch)  # what this family allows

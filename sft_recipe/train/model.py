@@ -305,7 +305,7 @@ def lora_config(model_args: ModelArguments, new_token_ids: list[int] | None = No
     if model_args.train_new_tokens and new_token_ids:
         layers = [name for name in ("embed_tokens", "lm_head") if name not in (modules_to_save or [])]
         trainable_tokens = {name: list(new_token_ids) for name in layers} or None
-    return LoraConfig(
+    config = LoraConfig(
         r=model_args.lora_r,
         lora_alpha=model_args.lora_alpha,
         lora_dropout=model_args.lora_dropout,
@@ -321,3 +321,8 @@ def lora_config(model_args: ModelArguments, new_token_ids: list[int] | None = No
         bias="none",
         task_type="CAUSAL_LM",
     )
+    if getattr(model_args, "adapter_name_or_path", ""):  # an adapter trained further: its shape, not the flags'
+        from sft_recipe.train.start_adapter import start_lora_config
+
+        config = start_lora_config(model_args, config)
+    return config
