@@ -90,6 +90,9 @@ def start_lora_config(model_args, lora_config):
                       "target_parameters"):
         if hasattr(config, attribute):
             setattr(lora_config, attribute, getattr(config, attribute))
+    logger.info(f"LoRA: the adapter at {model_args.adapter_name_or_path} decides the shape: r {lora_config.r}, alpha "
+                f"{lora_config.lora_alpha}, dropout {lora_config.lora_dropout}, targets "
+                f"{sorted(lora_config.target_modules or [])}{', DoRA' if lora_config.use_dora else ''}")
     return lora_config
 
 
