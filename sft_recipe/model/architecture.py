@@ -126,7 +126,8 @@ def architecture_problems(model_args: ModelArguments, t, launch=None) -> list[st
         return [problem]
     from sft_recipe.model.family_rules import family_problems
 
-    checks = (("the flash-attention check", lambda: flash_attention_problem(model_args, trust_remote_code)),
+    checks = (("the model's forward on the meta device", lambda: forward_problem(model_args, trust_remote_code)),
+              ("the flash-attention check", lambda: flash_attention_problem(model_args, trust_remote_code)),
               ("the tied-embedding check", lambda: tied_training_problem(model_args, trust_remote_code, launch)),
               ("the model family's rules", lambda: family_problems(
                   model_args, t, _meta(model_args.model_name_or_path, trust_remote_code))))
@@ -139,6 +140,20 @@ def architecture_problems(model_args: ModelArguments, t, launch=None) -> list[st
             continue
         problems += [found] if isinstance(found, str) else list(found or [])
     return problems + target_parameter_problems(model_args, trust_remote_code)
+
+
+def forward_problem(model_args: ModelArguments, trust_remote_code: bool = False) -> str | None:
+    """The model's own forward failing on its config, seen on the meta device (model/reach.py forward_failure): the
+    first training step would fail the same way, after every weight loaded."""
+    from sft_recipe.model.reach import forward_failure
+
+    error = forward_failure(_meta(model_args.model_name_or_path, trust_remote_code))
+    if error is None:
+        return None
+    return (f"--model_name_or_path {model_args.model_name_or_path}: the model's own forward fails on its config, "
+            f"before any weight loads ({error}); the first training step would stop there. Fix: correct its "
+            "config.json (num_key_value_heads must divide num_attention_heads, a rotary dimension must fit the "
+            "head, ...), or use the checkpoint's own config.")
 
 
 def unbuildable_problem(model_args: ModelArguments, trust_remote_code: bool = False) -> str | None:

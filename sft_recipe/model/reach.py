@@ -84,6 +84,22 @@ def reached_linears(model, tokens: int = 8) -> frozenset[str] | None:
 
 
 _REACHED: dict = {}
+_FORWARD_FAILS: dict = {}  # (class, config) -> the error of a forward that failed on the model's own config
+
+
+def _key(model):
+    try:
+        return type(model), model.config.to_json_string()
+    except Exception:  # noqa: BLE001 -- a config that does not serialise: keyed by the object
+        return type(model), id(model.config)
+
+
+def forward_failure(model) -> str | None:
+    """The error with which the model's own forward failed on the meta device (a shape its config makes impossible:
+    key/value heads that do not divide the query heads, a rotary size beyond the head), or None: it ran, or only the
+    meta device stopped it. Asks reached_linears, which probes once per (class, config)."""
+    reached_linears(model)
+    return _FORWARD_FAILS.get(_key(model))
 
 
 @contextlib.contextmanager
@@ -134,8 +150,12 @@ def _probe_trained_linears(model, tokens: int) -> frozenset[str] | None:
                     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
                     hidden.float().sum().backward()
                 break
-            except Exception:  # noqa: BLE001 -- data-dependent ops cannot run on meta: the next attempt, or unknown
+            except Exception as e:  # noqa: BLE001 -- data-dependent ops cannot run on meta: the next attempt, or unknown
                 if n == len(attempts) - 1:
+                    # Every attempt failed. An error that is not the meta device's own (a value asked of a tensor
+                    # that has none) is the model's forward failing on its config: the first step would fail so.
+                    if "meta" not in str(e).lower():
+                        _FORWARD_FAILS[_key(model)] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                     return None
     finally:
         for hook in hooks:

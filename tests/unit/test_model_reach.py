@@ -204,3 +204,32 @@ def test_a_mask_that_reads_values_is_probed_on_transformers_compile_time_branche
     assert not any(n.endswith("dt_proj") for n in reached)
     assert "dt_proj" not in {n.rsplit(".", 1)[-1] for n in resolve_lora_targets("all-linear", model).modules}
     assert not torch.compiler.is_compiling()  # the switch is the probe's alone
+
+
+def test_a_config_the_models_own_forward_fails_on_is_refused_before_the_load(tmp_path):
+    """4 query heads over 3 key/value heads: the weights would load, then the first step's attention would fail
+    (as a real forward of this config does). The meta-device probe sees it; architecture_problems refuses it."""
+    import transformers
+
+    from sft_recipe.model.architecture import architecture_problems
+
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=3, vocab_size=128).save_pretrained(str(tmp_path))
+    model_args = SimpleNamespace(model_name_or_path=str(tmp_path), use_peft_lora=True, lora_target_modules="all-linear",
+                                 use_flash_attn=False, lora_modules_to_save="", modules_to_save=[],
+                                 train_new_tokens=False, lora_target_parameters="", lora_dropout=0.0)
+    problems = architecture_problems(model_args, SimpleNamespace(trust_remote_code=False))
+    (refusal,) = [p for p in problems if "own forward" in p]
+    assert "the model's own forward fails on its config, before any weight loads (RuntimeError: The size of " \
+           "tensor a (4) must match the size of tensor b (3)" in refusal and "Fix:" in refusal
+    with torch.no_grad():  # the same error in a real forward: the refusal is no artefact of the meta device
+        real = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(str(tmp_path)))
+        with pytest.raises(RuntimeError, match=r"tensor a \(4\) must match the size of tensor b \(3\)"):
+            real(input_ids=torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_a_meta_device_limitation_is_no_refusal():
+    """Jamba's no-cache mask reads a value (the meta device has none): not the model's fault, so nothing is said."""
+    model = _meta("JambaConfig")
+    reach._REACHED.clear()
+    assert reach.forward_failure(model) is None
