@@ -42,10 +42,10 @@ MIN_ROWS_PER_PROCESS = 1000  # below this a worker's start-up costs more than it
 VERSIONED = ("trl", "datasets", "transformers", "tokenizers", "jinja2")
 
 
-def tokenizing_processes(rows: int, dataset_num_proc: int | None) -> int:
-    """Processes that tokenize: --dataset_num_proc, else this machine's CPUs, never fewer than
-    MIN_ROWS_PER_PROCESS rows each."""
-    wanted = dataset_num_proc or len(os.sched_getaffinity(0))
+def tokenizing_processes(rows: int, dataset_num_proc: int | None, sharing: int = 1) -> int:
+    """Processes that tokenize: --dataset_num_proc, else this machine's CPUs shared among the `sharing` ranks that
+    prepare at the same time on it, never fewer than MIN_ROWS_PER_PROCESS rows each."""
+    wanted = dataset_num_proc or len(os.sched_getaffinity(0)) // max(1, sharing)
     return max(1, min(wanted, rows // MIN_ROWS_PER_PROCESS))
 
 
@@ -231,12 +231,12 @@ def confirm_report(report, data: PreparedData, train_dataset, training_args, is_
     _keep_report(data, training_args, report)
 
 
-def tokenize(data: PreparedData, tokenizer, training_args) -> PreparedData:
+def tokenize(data: PreparedData, tokenizer, training_args, sharing: int = 1) -> PreparedData:
     """Every split through TRL's preparation (data/report.py `tokenize_like_trl`), on this machine's cores."""
     from sft_recipe.data.report import tokenize_like_trl
 
     for role, dataset in data.datasets.items():
-        processes = tokenizing_processes(len(dataset), training_args.dataset_num_proc)
+        processes = tokenizing_processes(len(dataset), training_args.dataset_num_proc, sharing)
         logger.info(f"data: tokenizing split '{role}' ({len(dataset)} rows) with {processes} process(es) "
                     f"(--dataset_num_proc {training_args.dataset_num_proc or 'unset: this machine has'} "
                     f"{len(os.sched_getaffinity(0))} CPUs, at least {MIN_ROWS_PER_PROCESS} rows each)")
@@ -251,7 +251,8 @@ def _cache_unwritable(error: BaseException) -> bool:
                                       for e in error_chain(error))
 
 
-def prepare_here(data_args: DataTrainingArguments, training_args, tokenizer) -> tuple[PreparedData, bool]:
+def prepare_here(data_args: DataTrainingArguments, training_args, tokenizer, sharing: int = 1) \
+        -> tuple[PreparedData, bool]:
     """(the data, whether it was read from a copy): the copy under its key, or read, checked, converted,
     tokenized and saved. Where datasets cannot write its cache (a full disk, a home quota, a read-only folder),
     the data is prepared again in a temporary cache for this launch alone, with one warning naming the folder;
@@ -259,7 +260,7 @@ def prepare_here(data_args: DataTrainingArguments, training_args, tokenizer) -> 
     import datasets
 
     try:
-        return _prepare_here(data_args, training_args, tokenizer)
+        return _prepare_here(data_args, training_args, tokenizer, sharing)
     except Exception as e:  # noqa: BLE001 -- only an unwritable cache is handled; anything else is raised as it was
         if not _cache_unwritable(e):
             raise
@@ -272,7 +273,7 @@ def prepare_here(data_args: DataTrainingArguments, training_args, tokenizer) -> 
     datasets.config.HF_DATASETS_CACHE = temporary  # what load_dataset, the maps and copy_root() use from here on
     atexit.register(shutil.rmtree, temporary, ignore_errors=True)
     try:
-        return _prepare_here(data_args, training_args, tokenizer)
+        return _prepare_here(data_args, training_args, tokenizer, sharing)
     except Exception as e:  # noqa: BLE001 -- the temporary folder's disk is full too: name it, not the project's
         if not is_disk_full(e):
             raise
@@ -280,7 +281,8 @@ def prepare_here(data_args: DataTrainingArguments, training_args, tokenizer) -> 
                       str(temporary / PREPARED_DIR)) from e
 
 
-def _prepare_here(data_args: DataTrainingArguments, training_args, tokenizer) -> tuple[PreparedData, bool]:
+def _prepare_here(data_args: DataTrainingArguments, training_args, tokenizer, sharing: int = 1) \
+        -> tuple[PreparedData, bool]:
     loaded = None
     hub = None
     if any(kind == "hub" for kind, _ in locate_splits(data_args)[0].values()):
@@ -291,7 +293,7 @@ def _prepare_here(data_args: DataTrainingArguments, training_args, tokenizer) ->
         return copy, True
     data = prepare(loaded or read_splits(data_args), data_args, training_args.dataset_text_field, tokenizer,
                    assistant_only_loss=training_args.assistant_only_loss, seed=training_args.seed)
-    tokenize(data, tokenizer, training_args)
+    tokenize(data, tokenizer, training_args, sharing)
     if save_copy(data, key) and (saved := load_copy(key)):
         data = saved  # read back: the trainer's cuts and packing are then cached beside the copy, for every rank
     return data, False
@@ -302,7 +304,10 @@ def prepare_data(data_args: DataTrainingArguments, training_args, tokenizer, lau
     `preparation` says which ranks prepared it and which read a copy, for the log and the run record."""
     def work():
         start = time.perf_counter()
-        data, reused = prepare_here(data_args, training_args, tokenizer)
+        # The ranks after a machine's first prepare at the same time when no copy could be kept: each takes its
+        # share of the machine's CPUs, not all of them.
+        sharing = max(1, (launch.local_world_size or 1) - 1) if launch.local_rank != 0 else 1
+        data, reused = prepare_here(data_args, training_args, tokenizer, sharing)
         return data, ("read" if reused else "prepared", round(time.perf_counter() - start, 2))
 
     data, mine = in_rank_order(work, launch)

@@ -180,6 +180,17 @@ def test_tokenizing_processes_come_from_the_cpus_with_enough_rows_each():
                        "cache/x") == "data: prepared by rank 0 in 3.0 s, kept in cache/x; rank 1, 2 read it"
 
 
+def test_ranks_preparing_at_once_share_the_machines_cpus(monkeypatch):
+    """When no copy could be kept, the 7 ranks after a machine's first prepare together: 16 CPUs give each 2
+    processes (16 // 7), not 16 each (112 tokenizing processes on 16 CPUs)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    rows = 100 * pc.MIN_ROWS_PER_PROCESS
+    assert pc.tokenizing_processes(rows, None) == 16
+    assert pc.tokenizing_processes(rows, None, sharing=7) == 2
+    assert pc.tokenizing_processes(rows, None, sharing=32) == 1  # never none
+    assert pc.tokenizing_processes(rows, 6, sharing=7) == 6  # --dataset_num_proc is the user's choice
+
+
 def test_a_launch_with_the_same_cut_reads_its_report_beside_the_copy_and_another_cut_measures_again(
         tiny, tmp_path, monkeypatch):
     def launch(*flags):
