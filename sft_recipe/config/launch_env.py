@@ -108,6 +108,14 @@ class LaunchEnv:
         return cfg
 
 
+def loads_4bit_base_once(four_bit: bool, fsdp_version: int | None, cpu_ram_efficient_loading: bool,
+                         processes: int) -> bool:
+    """Who loads a 4-bit base, the one rule the run (train/quantized_from_rank0.py) and the memory plan
+    (plan/inputs.py) both ask: under FSDP1 with cpu_ram_efficient_loading on several ranks, rank 0 alone reads and
+    quantizes it and the others receive its quantization state; everywhere else every rank loads its own copy."""
+    return bool(four_bit and fsdp_version == 1 and cpu_ram_efficient_loading and processes > 1)
+
+
 def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """Read the launcher's variables (os.environ unless given); raises ConfigError naming any unreadable one."""
     env = os.environ if environ is None else environ

@@ -30,9 +30,11 @@ class Distribution:
 
     def loads_quantized_base_once(self, quant: str | None) -> bool:
         """FSDP1 with cpu_ram_efficient_loading on several ranks: rank 0 alone loads a 4-bit base, the others receive
-        its quantization state (sft_recipe/train/quantized_from_rank0.py, the same rule)."""
-        return (quant == "4bit" and self.kind == "fsdp" and self.fsdp_version == 1
-                and self.cpu_ram_efficient_loading and self.num_processes > 1)
+        its quantization state (config.launch_env.loads_4bit_base_once, the rule the run asks too)."""
+        from sft_recipe.config.launch_env import loads_4bit_base_once
+
+        return loads_4bit_base_once(quant == "4bit", self.fsdp_version if self.kind == "fsdp" else None,
+                                    self.cpu_ram_efficient_loading, self.num_processes)
 
     @property
     def per_machine(self) -> int:

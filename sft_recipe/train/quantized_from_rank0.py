@@ -34,8 +34,10 @@ BATCH_BYTES = 256 * 2**20
 
 def quantized_base_from_rank0(model_args, launch) -> bool:
     """Whether this run loads its 4-bit base once, on rank 0 (every rank gets the same answer)."""
-    return bool(model_args.use_4bit_quantization and launch.cpu_ram_efficient_loading and launch.fsdp_version == 1
-                and launch.world_size > 1)
+    from sft_recipe.config.launch_env import loads_4bit_base_once
+
+    return loads_4bit_base_once(bool(model_args.use_4bit_quantization), launch.fsdp_version,
+                                launch.cpu_ram_efficient_loading, launch.world_size)
 
 
 def make_4bit_layers(model, quantization_config) -> None:

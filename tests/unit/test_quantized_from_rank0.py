@@ -40,9 +40,22 @@ def test_the_run_and_the_plan_agree_on_who_loads(version, efficient, quant, rank
     launch = LaunchEnv(world_size=ranks, use_fsdp=True, fsdp_version=version,
                        fsdp_cpu_ram_efficient_loading=efficient, fsdp_sync_module_states=efficient)
     plan = Distribution(kind="fsdp", num_processes=ranks, fsdp_version=version, cpu_ram_efficient_loading=efficient)
-    once = quantized_base_from_rank0(args, launch)
-    assert once == plan.loads_quantized_base_once(quant)
-    assert once == (version == 1 and efficient and quant == "4bit" and ranks > 1)
+    assert quantized_base_from_rank0(args, launch) == plan.loads_quantized_base_once(quant)  # both ask one rule
+
+
+@pytest.mark.parametrize("four_bit, version, efficient, ranks, once", [
+    (True, 1, True, 2, True),    # the guide's FSDP1 QLoRA (fsdp_config_qlora.yaml) on 2 GPUs: rank 0 alone reads it
+    (True, 1, True, 8, True),    # ... on 8
+    (True, 1, True, 1, False),   # one rank: it is rank 0's own copy anyway
+    (True, 1, False, 2, False),  # without cpu_ram_efficient_loading FSDP1 syncs nothing: every rank loads
+    (True, 2, True, 2, False),   # FSDP2's preparation broadcasts no 4-bit weights (train/model.py says so)
+    (True, None, True, 2, False),  # not FSDP (DDP, DeepSpeed)
+    (False, 1, True, 2, False),  # a 16-bit base: accelerate's own rank-0 load, not this rule
+])
+def test_who_loads_a_4bit_base(four_bit, version, efficient, ranks, once):
+    from sft_recipe.config.launch_env import loads_4bit_base_once
+
+    assert loads_4bit_base_once(four_bit, version, efficient, ranks) is once
 
 
 FAMILIES = ["llama", "qwen2", "mixtral", "deepseek-v3", "gemma3", "gpt-neox"]
