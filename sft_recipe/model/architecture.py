@@ -164,7 +164,7 @@ def unbuildable_problem(model_args: ModelArguments, trust_remote_code: bool = Fa
 
     try:
         config = read_config(model_args.model_name_or_path, trust_remote_code)
-    except Exception:  # noqa: BLE001 -- unreadable: named by the model-path checks
+    except (OSError, ValueError):  # no config there, or transformers cannot read it: the model-path checks name that
         return None
     try:
         _meta(model_args.model_name_or_path, trust_remote_code)

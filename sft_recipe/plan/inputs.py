@@ -279,7 +279,8 @@ def check_inputs(gpu_memory_gib, device: str, d: Distribution, w: Workload) -> N
 def parse_train_flags(train_argv: list[str], device: str):
     """train.py's own parser. Planning a GPU run on a machine without one: the CPU switch keeps transformers from
     refusing bf16, and bf16 defaults to on as TRL does on a bf16 GPU unless the flags say otherwise."""
-    from sft_recipe.config.args import build_parser, explicitly_set, known_option_names, parse_args, read_recipe_yaml
+    from sft_recipe.config.args import build_parser, known_option_names, parse_args, read_recipe_yaml
+    from sft_recipe.config.command_line import explicitly_set
     from sft_recipe.config.launch_env import read_launch_env
 
     argv = list(train_argv)

@@ -1,0 +1,56 @@
+"""What the command line and the recipe YAML gave (a flag chosen, its last value), and the defaults that depend on
+the machine (bf16 only where a GPU has it): read from the raw argv, before and beside the dataclasses of args.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def hardware_defaults(argv: list[str], yaml_values: dict[str, Any], problems: list[str], launch) -> dict[str, Any]:
+    """Defaults that depend on the machine, chosen here so that a CPU-only machine runs the recipe unchanged.
+
+    TRL turns bf16 on by default; on a CPU it is emulated (~20x slower than fp32) and transformers refuses it
+    unless `use_cpu` is set. So without a bf16 GPU the default becomes fp32; an explicit `--bf16 True` is kept
+    (the guide's commands pass it) and runs on CPU when the CPU switch `ACCELERATE_USE_CPU=true` is on.
+    """
+    import torch
+
+    defaults: dict[str, Any] = {}
+    cpu_switch = launch.use_cpu
+    bf16_gpu = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if cpu_switch:
+        defaults["use_cpu"] = True
+    if not bf16_gpu and not explicitly_set(argv, yaml_values, "bf16"):
+        defaults["bf16"] = False
+    bf16_asked = value_of(argv, "bf16", yaml_values.get("bf16"))
+    use_cpu_asked = cpu_switch or _truthy(value_of(argv, "use_cpu", yaml_values.get("use_cpu")))
+    if _truthy(bf16_asked) and not bf16_gpu and not use_cpu_asked and launch.use_deepspeed:
+        problems.append("--bf16 True: this machine has no GPU with bf16, and DeepSpeed runs on the CPU in fp32 only "
+                        "(ACCELERATE_USE_CPU, the switch for bf16 on CPU, turns DeepSpeed off). Fix: --bf16 False.")
+    elif _truthy(bf16_asked) and not bf16_gpu and not use_cpu_asked:
+        problems.append(
+            "--bf16 True: this machine has no GPU with bf16. Fix: --bf16 False (fp32; bf16 on a CPU is emulated and "
+            "~20x slower), or set ACCELERATE_USE_CPU=true (or --use_cpu True) to run bf16 on the CPU anyway."
+        )
+    return defaults
+
+
+def value_of(argv: list[str], name: str, default: Any = None) -> Any:
+    """The last value given for --name on the command line ('True' for a bare boolean flag)."""
+    value = default
+    for i, token in enumerate(argv):
+        if token == f"--{name}":
+            nxt = argv[i + 1] if i + 1 < len(argv) else ""
+            value = "True" if (not nxt or nxt.startswith("--")) else nxt
+        elif token.startswith(f"--{name}="):
+            value = token.split("=", 1)[1]
+    return value
+
+
+def _truthy(value: Any) -> bool:
+    return str(value).lower() in ("true", "1", "yes", "y") if value is not None else False
+
+
+def explicitly_set(argv: list[str], config_values: dict[str, Any], name: str) -> bool:
+    """Whether the user chose `name` (CLI or YAML) rather than leaving the library default."""
+    return any(t == f"--{name}" or t.startswith(f"--{name}=") for t in argv) or name in config_values
