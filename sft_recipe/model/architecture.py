@@ -122,8 +122,11 @@ def architecture_problems(model_args: ModelArguments, t, launch=None) -> list[st
     """What this model's family cannot do as asked (`t`: the training arguments), found from its config before any
     weight loads."""
     trust_remote_code = bool(getattr(t, "trust_remote_code", False))
-    if (problem := unbuildable_problem(model_args, trust_remote_code)) is not None:
-        return [problem]
+    try:
+        if (problem := unbuildable_problem(model_args, trust_remote_code)) is not None:
+            return [problem]
+    except Exception as e:  # noqa: BLE001 -- a config error of a kind not foreseen: said, the checks below go on
+        check_not_run("the check that the model can be built", e)
     from sft_recipe.model.family_rules import family_problems
 
     checks = (("the model's forward on the meta device", lambda: forward_problem(model_args, trust_remote_code)),
