@@ -71,10 +71,7 @@ def reached_linears(model, tokens: int = 8) -> frozenset[str] | None:
     (bf16: fused-expert kernels take no fp32; eager attention), one forward and one backward of a few token ids.
     A linear whose output only feeds a selection (DeepSeek-V3.2's top-k indexer) is called but gets no gradient.
     Asked once per (class, config) in a process: the plan, the validation and the load all ask of one model."""
-    try:
-        key = (type(model), model.config.to_json_string())
-    except Exception:  # noqa: BLE001 -- a config that does not serialise is probed each time
-        key = None
+    key = _key(model)
     if key is not None and key in _REACHED:
         return _REACHED[key]
     reached = _probe_trained_linears(model, tokens)
@@ -88,10 +85,12 @@ _FORWARD_FAILS: dict = {}  # (class, config) -> the error of a forward that fail
 
 
 def _key(model):
+    """(class, config as JSON): what the probe's answers are kept by; None for a config that does not serialise
+    (probed each time, and its forward failure not kept)."""
     try:
         return type(model), model.config.to_json_string()
-    except Exception:  # noqa: BLE001 -- a config that does not serialise: keyed by the object
-        return type(model), id(model.config)
+    except Exception:  # noqa: BLE001 -- any serialisation failure means: not cached
+        return None
 
 
 def forward_failure(model) -> str | None:
@@ -154,7 +153,7 @@ def _probe_trained_linears(model, tokens: int) -> frozenset[str] | None:
                 if n == len(attempts) - 1:
                     # Every attempt failed. An error that is not the meta device's own (a value asked of a tensor
                     # that has none) is the model's forward failing on its config: the first step would fail so.
-                    if "meta" not in str(e).lower():
+                    if "meta" not in str(e).lower() and _key(model) is not None:
                         _FORWARD_FAILS[_key(model)] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                     return None
     finally:

@@ -22,18 +22,12 @@ class LostRank(Exception):
 
 def lost_a_rank(error: BaseException | None) -> bool:
     """Whether `error` (or what caused it) is a collective that failed because another rank is gone."""
-    from sft_recipe.errors import is_disk_full
+    from sft_recipe.errors import error_chain, is_disk_full
 
     if is_disk_full(error):  # a full disk on some rank ends every rank with exit 74 (train.py), not this
         return False
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if type(error).__name__ == "DistBackendError" or (isinstance(error, RuntimeError)
-                                                           and _PEER_GONE.search(str(error))):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+    return any(type(e).__name__ == "DistBackendError" or (isinstance(e, RuntimeError) and _PEER_GONE.search(str(e)))
+               for e in error_chain(error))
 
 
 def lost_rank_message(rank: int, error: BaseException, newest_checkpoint: str | None) -> str:
