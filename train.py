@@ -14,6 +14,12 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from sft_recipe.compat.unused_bitsandbytes import skip_unused_bitsandbytes
+from sft_recipe.config.command_line import bitsandbytes_needed
+
+if __name__ == "__main__" and not bitsandbytes_needed(sys.argv[1:]):  # before PEFT imports it (0.8 CPU-s a rank)
+    skip_unused_bitsandbytes()
+
 import torch
 import torch.distributed as dist
 import transformers  # lazy: its submodules load after sft_recipe set the library log levels (sft_recipe/__init__)
@@ -162,7 +168,8 @@ def run_facts(model_args, data_args, recipe_args, training_args) -> dict:
             "8bit" if model_args.use_8bit_quantization else
             checkpoint_quant_method(model_args.model_name_or_path, training_args.trust_remote_code),
             "config": {"model": asdict(model_args), "data": asdict(data_args), "recipe": asdict(recipe_args),
-                       "training": training_args.to_dict()}}
+                       "training": training_args.to_dict()},
+            "skipped_imports": compat.skipped_imports()}  # installed, and kept out: the run uses none of it
 
 
 def print_preview_and_exit(data, report, tokenizer, training_args, count: int, launch: LaunchEnv) -> None:

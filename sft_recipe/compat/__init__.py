@@ -42,6 +42,7 @@ from sft_recipe.compat.process import exit_skipping_teardown, restore_bnb_4bit_s
 from sft_recipe.compat.quantized_load import quantize_each_weight_on, quantized_base_device_map
 from sft_recipe.compat.trl_fused_head import fused_head_reads_what_it_needs
 from sft_recipe.compat.trl_prepare import without_rank_barriers
+from sft_recipe.compat.unused_bitsandbytes import skip_unused_bitsandbytes, skipped_imports
 from sft_recipe.model.kernels import packing_kernel_gaps
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround("restore_bnb_4bit_storage_layout", "bitsandbytes", ">=0.49", "0.50.2",
                "tests/unit/test_record.py::test_a_cpu_evaluation_does_not_change_frozen_4bit_bytes passes without "
                "it"),
+    Workaround("skip_unused_bitsandbytes", "bitsandbytes", ">=0.50", "0.50.2",
+               "tests/unit/test_compat.py::test_importing_bitsandbytes_still_imports_inductor fails (bitsandbytes "
+               "no longer compiles its kernels at import: nothing left to save by not importing it)"),
     Workaround("keep_present_no_split_modules", "accelerate", ">=1.0", "1.15.0",
                "the gemma3-multimodal FSDP2 cell of tests/e2e/test_families.py wraps without it"),
     Workaround("save_embedding_layers_for", "peft", ">=0.21", "0.21.2",
@@ -117,7 +121,8 @@ WORKAROUNDS: tuple[Workaround, ...] = (
 )
 
 # Not workarounds themselves: what they are built from (used by gather.py), and what validation asks.
-HELPERS = ("strip_wrapper_segments", "fsdp1_module_sync_allowed_on_cpu", "other_dtype_modules", "with_units_for")
+HELPERS = ("skipped_imports", "strip_wrapper_segments", "fsdp1_module_sync_allowed_on_cpu",
+           "other_dtype_modules", "with_units_for")
 
 
 @dataclass(frozen=True)
@@ -203,5 +208,6 @@ __all__ = [
     "module_names_without_fsdp_segments", "packing_kernel_gaps",
     "quantize_each_weight_on", "quantized_base_device_map", "save_embedding_layers_for", "without_rank_barriers",
     "restore_bnb_4bit_storage_layout", "strip_wrapper_segments", "trainable_tokens_lm_head_bias",
-    "trainer_override_drift",
+    "trainer_override_drift", "skip_unused_bitsandbytes",
+    "skipped_imports",
 ]

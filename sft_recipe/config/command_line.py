@@ -3,6 +3,8 @@ the machine (bf16 only where a GPU has it): read from the raw argv, before and b
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 
@@ -23,11 +25,11 @@ def hardware_defaults(argv: list[str], yaml_values: dict[str, Any], problems: li
     if not bf16_gpu and not explicitly_set(argv, yaml_values, "bf16"):
         defaults["bf16"] = False
     bf16_asked = value_of(argv, "bf16", yaml_values.get("bf16"))
-    use_cpu_asked = cpu_switch or _truthy(value_of(argv, "use_cpu", yaml_values.get("use_cpu")))
-    if _truthy(bf16_asked) and not bf16_gpu and not use_cpu_asked and launch.use_deepspeed:
+    use_cpu_asked = cpu_switch or truthy(value_of(argv, "use_cpu", yaml_values.get("use_cpu")))
+    if truthy(bf16_asked) and not bf16_gpu and not use_cpu_asked and launch.use_deepspeed:
         problems.append("--bf16 True: this machine has no GPU with bf16, and DeepSpeed runs on the CPU in fp32 only "
                         "(ACCELERATE_USE_CPU, the switch for bf16 on CPU, turns DeepSpeed off). Fix: --bf16 False.")
-    elif _truthy(bf16_asked) and not bf16_gpu and not use_cpu_asked:
+    elif truthy(bf16_asked) and not bf16_gpu and not use_cpu_asked:
         problems.append(
             "--bf16 True: this machine has no GPU with bf16. Fix: --bf16 False (fp32; bf16 on a CPU is emulated and "
             "~20x slower), or set ACCELERATE_USE_CPU=true (or --use_cpu True) to run bf16 on the CPU anyway."
@@ -47,10 +49,53 @@ def value_of(argv: list[str], name: str, default: Any = None) -> Any:
     return value
 
 
-def _truthy(value: Any) -> bool:
+def truthy(value: Any) -> bool:
     return str(value).lower() in ("true", "1", "yes", "y") if value is not None else False
 
 
 def explicitly_set(argv: list[str], config_values: dict[str, Any], name: str) -> bool:
     """Whether the user chose `name` (CLI or YAML) rather than leaving the library default."""
     return any(t == f"--{name}" or t.startswith(f"--{name}=") for t in argv) or name in config_values
+
+
+def bitsandbytes_needed(argv: list[str]) -> bool:
+    """Whether a run of train.py with `argv` may use bitsandbytes, read before the libraries load (True wherever that
+    cannot be read: a Hub id, an unreadable recipe YAML or config.json). sft_recipe/compat/unused_bitsandbytes.py
+    says why a run that cannot use it should not import it."""
+    from sft_recipe.config.packages import TABLE  # the settings and values that build something from bitsandbytes
+
+    yaml_values = _recipe_yaml(argv)
+    if yaml_values is None:
+        return True
+    for row in TABLE:
+        if row.package != "bitsandbytes":
+            continue
+        setting = row.setting.lstrip("-")
+        value = value_of(argv, setting, yaml_values.get(setting))
+        if value is not None and (str(value) == row.value or (row.value == "True" and truthy(value))):
+            return True
+    model = value_of(argv, "model_name_or_path", yaml_values.get("model_name_or_path"))
+    return model is None or _base_may_be_quantized(Path(str(model)))
+
+
+def _recipe_yaml(argv: list[str]) -> dict[str, Any] | None:
+    """The `--config` recipe YAML's values ({} without one), or None where it cannot be read."""
+    path = value_of(argv, "config")
+    if path is None:
+        return {}
+    import yaml
+
+    try:
+        values = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    return values if isinstance(values, dict) else None
+
+
+def _base_may_be_quantized(model_dir: Path) -> bool:
+    """A local base whose config.json says it is quantized (or cannot be read) may need bitsandbytes to load."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return True
+    return not isinstance(config, dict) or "quantization_config" in config

@@ -4,6 +4,9 @@ Trainer methods overridden are listed, and their signatures checked."""
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 from sft_recipe import compat
@@ -59,3 +62,45 @@ def test_a_changed_signature_is_reported(monkeypatch):
         "_save_rng_state('self', 'output_dir', 'extra'): written for ('self', 'output_dir')"]
 
 
+
+
+def _base(folder: Path, config: dict) -> str:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_only_a_run_known_not_to_use_bitsandbytes_skips_it(tmp_path):
+    from sft_recipe.config.command_line import bitsandbytes_needed
+
+    plain = _base(tmp_path / "plain", {"model_type": "llama"})
+    prequantized = _base(tmp_path / "prequantized", {"model_type": "llama",
+                                                      "quantization_config": {"quant_method": "bitsandbytes"}})
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("use_4bit_quantization: true\n")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("use_4bit_quantization: [\n")
+    assert not bitsandbytes_needed(["--model_name_or_path", plain, "--use_peft_lora", "True"])
+    assert not bitsandbytes_needed(["--model_name_or_path", plain, "--use_4bit_quantization", "False"])
+    assert not bitsandbytes_needed(["--model_name_or_path", plain, "--optim", "adamw_torch"])
+    # each way a run can ask for bitsandbytes keeps it
+    assert bitsandbytes_needed(["--model_name_or_path", plain, "--use_4bit_quantization", "True"])
+    assert bitsandbytes_needed(["--model_name_or_path", plain, "--use_8bit_quantization"])  # a bare flag is True
+    assert bitsandbytes_needed(["--model_name_or_path", plain, "--optim=paged_adamw_8bit"])
+    assert bitsandbytes_needed(["--model_name_or_path", plain, "--config", str(recipe)])
+    assert not bitsandbytes_needed(["--model_name_or_path", plain, "--config", str(recipe),
+                                    "--use_4bit_quantization", "False"])  # the command line wins over the YAML
+    assert bitsandbytes_needed(["--model_name_or_path", prequantized])
+    # what cannot be read before the libraries load keeps it
+    assert bitsandbytes_needed(["--model_name_or_path", "meta-llama/Llama-2-70b-hf"])
+    assert bitsandbytes_needed(["--model_name_or_path", plain, "--config", str(broken)])
+    assert bitsandbytes_needed([])
+
+
+def test_importing_bitsandbytes_still_imports_inductor():
+    """Why skip_unused_bitsandbytes exists: importing bitsandbytes pulls in torch's inductor (0.7-0.8 CPU-s)."""
+    code = ("import sys, torch, torch._dynamo; assert 'torch._inductor.compile_fx' not in sys.modules; "
+            "import bitsandbytes; print('torch._inductor.compile_fx' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"
