@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `sft_recipe`, `tests.helpers`: from this checkout
 
-from tests.helpers import REPO, tiny_conversation_as  # noqa: E402
+from tests.helpers import REPO, remove_datasets_caches, tiny_conversation_as  # noqa: E402
 
 # In-process tests run offline, as launched ones do (helpers.launch_env): a Hub id in a test ("org/base") is then
 # refused at once instead of waiting on the network's timeouts, which cost ~10 s a lookup on a machine without it.
@@ -26,6 +26,10 @@ def pytest_collection_modifyitems(items):
     for item in items:
         parts = Path(str(item.fspath)).relative_to(REPO / "tests").parts
         item.add_marker({"unit": pytest.mark.unit, "e2e": pytest.mark.e2e}.get(parts[0], pytest.mark.cli))
+
+
+def pytest_sessionfinish(session):
+    remove_datasets_caches()  # each launch's datasets cache (tests/helpers.launch_env), in this process
 
 
 @pytest.fixture()

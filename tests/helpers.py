@@ -17,6 +17,14 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+# Every launch's datasets cache lives under one folder per test process, removed at the session's end
+# (tests/conftest.py calls remove_datasets_caches): a folder per launch left in /tmp filled it (1,660 seen).
+_DATASETS_CACHES = tempfile.TemporaryDirectory(prefix="hf-datasets-")
+
+
+def remove_datasets_caches() -> None:
+    """xdist's workers end without running finalizers, so the session's end removes the caches explicitly."""
+    _DATASETS_CACHES.cleanup()
 
 
 def bin_dir() -> str:
@@ -32,7 +40,7 @@ def launch_env(cpu_switch: bool = True) -> dict[str, str]:
     env.pop("HF_TOKEN", None)
     # A datasets cache of its own: the prepared data one launch keeps (sft_recipe/data/prepared_copy.py) is read by
     # the next only where a test passes the same environment on.
-    env["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="hf-datasets-")
+    env["HF_DATASETS_CACHE"] = tempfile.mkdtemp(dir=_DATASETS_CACHES.name)
     if cpu_switch:
         env["ACCELERATE_USE_CPU"] = "true"
     return env
