@@ -9,7 +9,8 @@ loads, with what works instead:
   OpenAI-GPT, JetMoE, ...: transformers raises after the load);
 - `--packing True` where the model's sequence-mixing functions fall back on torch code that cannot keep packed
   sequences apart without a kernel package (model/kernels.py: Mamba, hybrids, linear attention);
-- a router auxiliary loss (TRL computes Mixtral's) on a model without routed experts of that kind;
+- a router auxiliary loss coefficient for a model without router logits, and a router loss (TRL computes Mixtral's)
+  on a model without routed experts of that kind (`router_loss`: TRL's rule, in one place);
 - `--lora_target_modules` naming linears the training forward does not train as plain linears, or that PEFT
   refuses for this model type (all-linear leaves both out, and says so: structure.LoraTargets.note).
 """
@@ -59,19 +60,31 @@ def family_problems(model_args, t, model) -> list[str]:
     return problems
 
 
+def router_loss(t, text_config) -> tuple[float | None, float, bool]:
+    """TRL 1.16's own rule (SFTTrainer.__init__), the one home of it here: (the flag, the coefficient the run uses,
+    whether the loss is on). The coefficient is the flag's, else the config's (0 when it declares none); the loss is
+    on where the config declares `output_router_logits` and the coefficient is not 0."""
+    flag = getattr(t, "router_aux_loss_coef", None)
+    coefficient = getattr(text_config, "router_aux_loss_coef", 0.0) if flag is None else flag
+    return flag, coefficient, hasattr(text_config, "output_router_logits") and coefficient != 0.0
+
+
 def _router_loss_problems(t, model, name: str) -> list[str]:
-    """TRL 1.16 computes the router's load-balancing loss itself, as Mixtral's (per-layer logits over E routed
-    experts), whenever the config declares `output_router_logits` and the coefficient is not 0. A model that
-    declares one but holds no routed experts of that kind (Doge's and Flint's product-key experts) dies in it at the
-    first step ("tuple index out of range")."""
+    """Both ways a router auxiliary loss fails: a coefficient given for a config without router logits (TRL refuses
+    it once the model has loaded), and a loss TRL computes as Mixtral's (per-layer logits over E routed experts) on
+    a model that declares one but holds no routed experts of that kind (Doge's and Flint's product-key experts die
+    in it at the first step: "tuple index out of range")."""
     text = model.config.get_text_config()
-    coef = getattr(t, "router_aux_loss_coef", None)
-    coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
-    if not hasattr(text, "output_router_logits") or not coef or expert_blocks(model):
+    flag, coefficient, enabled = router_loss(t, text)
+    if flag and not hasattr(text, "output_router_logits"):
+        return [f"--router_aux_loss_coef {flag}: {name} is not a mixture-of-experts model with router logits, so "
+                "there is no auxiliary loss to weight (TRL 1.16's SFTTrainer refuses it once the model has loaded). "
+                "Fix: drop --router_aux_loss_coef."]
+    if not enabled or expert_blocks(model):
         return []
-    return [f"--router_aux_loss_coef {coef}: {name} declares a router auxiliary loss, but holds no routed experts "
-            "of the kind TRL's load-balancing loss describes (experts x out x in weights, or a list of expert MLPs "
-            "beside a router), and TRL computes that loss for every such config at the first step. Fix: "
+    return [f"--router_aux_loss_coef {coefficient}: {name} declares a router auxiliary loss, but holds no routed "
+            "experts of the kind TRL's load-balancing loss describes (experts x out x in weights, or a list of expert "
+            "MLPs beside a router), and TRL computes that loss for every such config at the first step. Fix: "
             "--router_aux_loss_coef 0 (trains without the balancing term)."]
 
 

@@ -18,7 +18,8 @@ library function that raises, in the pinned versions (transformers 5.24, TRL 1.1
   `trainer_utils.validate_quantization_for_training`: a pre-quantized checkpoint without LoRA, or with a
   quantization method transformers cannot train (GPTQ: sft_recipe/train/gptq.py).
 - `SFTTrainer.__init__` (ValueError): --eos_token / --pad_token not in the vocabulary; --padding_free without packing
-  while max_length is set; --router_aux_loss_coef on a model without router logits; liger's fused cross-entropy;
+  while max_length is set (--router_aux_loss_coef on a model without router logits: model/family_rules.py, with the
+  rest of TRL's router-loss rule); liger's fused cross-entropy;
   more than one GPU in one process (nn.DataParallel); packing under context parallelism; DFT loss or label smoothing
   under DeepSpeed sequence parallelism. Its `_prepare_dataset`: packing without max_length. Settings TRL honours
   behind the recipe's data checks: --chat_template_path (another template, or another tokenizer's tokens and an
@@ -260,15 +261,6 @@ def quantized_checkpoint_problems(m, config) -> list[str]:
     return []
 
 
-def router_problems(t, config) -> list[str]:
-    coef = getattr(t, "router_aux_loss_coef", None)
-    if not coef or hasattr(config.get_text_config(), "output_router_logits"):
-        return []
-    return [f"--router_aux_loss_coef {coef}: {type(config).__name__} is not a mixture-of-experts model with router "
-            "logits, so there is no auxiliary loss to weight (TRL 1.16's SFTTrainer refuses it once the model has "
-            "loaded). Fix: drop --router_aux_loss_coef."]
-
-
 def _rope_scaling(text_config) -> tuple[dict, float, int | None]:
     """(the rope parameters with the largest scaling factor, that factor, their original_max_position_embeddings or
     None). transformers 5 keeps `rope_parameters` (older configs: `rope_scaling`), per layer type in some families
@@ -338,6 +330,6 @@ def trainer_problems(m, t, launch: LaunchEnv) -> list[str]:
     problems += tokenizer_flag_problems(m, t)
     config = _read_config(m, t) if m.model_name_or_path else None
     if config is not None:
-        problems += quantized_checkpoint_problems(m, config) + router_problems(t, config)
+        problems += quantized_checkpoint_problems(m, config)
         problems += position_problems(m, t, config)
     return problems

@@ -173,6 +173,30 @@ def test_a_router_loss_without_routed_experts_of_mixtrals_kind_is_refused_with_t
     assert family_problems(model_args, SimpleNamespace(**vars(t), router_aux_loss_coef=0.0), doge) == []
     mixtral = SimpleNamespace(**vars(t), router_aux_loss_coef=None)
     assert family_problems(model_args, mixtral, _meta("MixtralConfig")) == []  # its experts are what TRL's loss fits
+    with_coefficient = SimpleNamespace(**vars(t), router_aux_loss_coef=0.01)
+    assert family_problems(model_args, with_coefficient, _meta("MixtralConfig")) == []
+
+
+def test_a_router_coefficient_for_a_model_without_router_logits_is_refused_as_trl_would():
+    model_args, t = _args(packing=False)
+    dense = _meta("LlamaConfig")
+    (problem,) = family_problems(model_args, SimpleNamespace(**vars(t), router_aux_loss_coef=0.01), dense)
+    assert problem.startswith("--router_aux_loss_coef 0.01: LlamaForCausalLM (llama) is not a mixture-of-experts")
+    assert "Fix: drop --router_aux_loss_coef" in problem
+    assert family_problems(model_args, SimpleNamespace(**vars(t), router_aux_loss_coef=None), dense) == []
+    assert family_problems(model_args, SimpleNamespace(**vars(t), router_aux_loss_coef=0.0), dense) == []
+
+
+def test_the_router_coefficient_is_the_flags_else_the_configs():
+    """As TRL 1.16 reads it: Mixtral's config declares 0.001 (transformers' MixtralConfig default), Llama's none."""
+    from sft_recipe.model.family_rules import router_loss
+
+    text = _meta("MixtralConfig").config
+    assert router_loss(SimpleNamespace(router_aux_loss_coef=None), text) == (None, 0.001, True)
+    assert router_loss(SimpleNamespace(router_aux_loss_coef=0.02), text) == (0.02, 0.02, True)
+    assert router_loss(SimpleNamespace(router_aux_loss_coef=0.0), text) == (0.0, 0.0, False)
+    dense = _meta("LlamaConfig").config
+    assert router_loss(SimpleNamespace(router_aux_loss_coef=None), dense) == (None, 0.0, False)
 
 
 def test_a_config_transformers_cannot_build_as_a_causal_lm_is_refused_before_the_load(tmp_path):

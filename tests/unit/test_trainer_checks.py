@@ -104,8 +104,6 @@ CHECKS = {
                                         "--eos_token '<|im_end|>' is not a token of this tokenizer"),
     "pad_token not in the vocabulary": (["--pad_token", "<pad>"], {}, ["--pad_token", "</s>"], {},
                                         "--pad_token '<pad>' is not a token of this tokenizer"),
-    "router_aux_loss_coef on a dense model": (["--router_aux_loss_coef", "0.01"], {}, [], {},
-                                              "--router_aux_loss_coef 0.01: LlamaConfig is not a mixture-of-experts"),
 }
 
 
@@ -132,14 +130,6 @@ def test_settings_the_command_line_cannot_carry(tiny, tmp_path):
     text = "\n".join(trainer_problems(m, t, LaunchEnv()))
     assert "2 GPUs are visible to one process" in text and "--packing True with no max_length" in text
     assert "--liger_kernel_config fused_linear_cross_entropy: true" in text
-
-
-def test_router_coefficient_is_accepted_for_a_mixture_of_experts(tiny, tmp_path, family_model):
-    from transformers import AutoConfig
-
-    assert hasattr(AutoConfig.from_pretrained(str(family_model("mixtral"))), "output_router_logits")  # what TRL reads
-    assert "router" not in _problems(tiny, tmp_path, ["--router_aux_loss_coef", "0.01"],
-                                     model_dir=family_model("mixtral"))
 
 
 # --- accelerate's FSDP plugin: our verdict is accelerate's own, for each value -----------------------------------
