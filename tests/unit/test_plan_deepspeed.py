@@ -11,15 +11,13 @@ import pytest
 
 from sft_recipe.config.launch_env import LaunchEnv
 from sft_recipe.errors import ConfigError
-from sft_recipe.plan import GIB, model_shape, parse_train_flags, plan_memory, read_accelerate_config
-from sft_recipe.plan.components import base_weight_bytes, count_trainable
+from sft_recipe.plan import GIB, parse_train_flags, plan_memory, read_accelerate_config
 from sft_recipe.plan.deepspeed import (
-    MASTER_AND_ADAM_BYTES,
     PERSISTENCE_THRESHOLD_ELEMENTS,
     PREFETCH_BUCKET_ELEMENTS,
     REDUCE_BUCKET_ELEMENTS,
 )
-from sft_recipe.plan.inputs import distribution, workload
+from sft_recipe.plan.inputs import distribution
 from tests.helpers import REPO
 
 LLAMA_70B = str(REPO / "sft_recipe" / "plan" / "models" / "llama-2-70b")
@@ -67,24 +65,35 @@ def test_deepspeeds_defaults_are_the_plans_and_accelerate_sets_no_bucket_size():
     assert not {"reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"} & set(built)
 
 
+# Hand-computed from Llama-2-70B's config.json (hidden 8192, MLP 28672, 80 layers, 8 KV heads of 128, vocab 32000)
+# plus the 3 rows chatml adds (recipes/llama2_70b_lora.yaml), independent of the planner's code:
+# per layer 2 x 8192^2 (q, o) + 2 x 8192 x 1024 (k, v) + 3 x 8192 x 28672 (MLP) = 855,638,016; x 80 = 68,451,041,280;
+# embeddings and head 2 x 32,003 x 8192 = 524,337,152; 161 norms of 8192 = 1,318,912: 68,976,697,344 parameters,
+# 2 bytes each in bf16 (the published 68,976,648,192 without chatml's rows).
+BASE_BYTES_70B = 68_976_697_344 * 2
+# LoRA r=8 on every linear, 8 x (in + out) each: 80 x 8 x (2 x 16,384 + 2 x 9,216 + 3 x 36,864) = 103,546,880 (PEFT's
+# "trainable params" for this model); fp32 (PEFT keeps adapters in fp32 over a bf16 base).
+LORA_PARAMS_70B = 103_546_880
+ZERO_REDUCE_BUCKET = 500_000_000  # DeepSpeedZeroConfig().reduce_bucket_size (pinned by the test above)
+
+
 def test_zero3_partitions_every_weight_and_the_optimizer_and_keeps_one_reduce_bucket(lora):
     cfg = read_accelerate_config(ZERO3_YAML)
     plan = _plan(lora, cfg)
     gpu, host = _rows(plan)
-    model_args, data_args, _, training_args = lora
-    w = workload(model_args, data_args, training_args, "cuda")
-    shape = model_shape(LLAMA_70B, extra_vocab=w.extra_vocab)
-    shardable, replicated, _ = base_weight_bytes(shape, w)
-    trainable, tbytes = count_trainable(shape, w)
-    assert gpu["base weights"] == pytest.approx(shardable / 8 + replicated)
-    assert gpu["optimizer state"] == pytest.approx(trainable * MASTER_AND_ADAM_BYTES / 8)
-    assert gpu["gradients"] == pytest.approx(trainable * tbytes / 8 + REDUCE_BUCKET_ELEMENTS * tbytes)
-    assert 0 < gpu["ZeRO-3 gathered parameters"] < shape.layer_params * 2  # a module at a time, not a layer unit
+    assert gpu["base weights"] == pytest.approx(BASE_BYTES_70B / 8, rel=1e-3)  # 8 ranks, each its eighth
+    assert gpu["LoRA/DoRA params"] == pytest.approx(LORA_PARAMS_70B * 4 / 8)
+    # fp32 master copy + Adam's two moments: 12 bytes a trainable parameter, partitioned
+    assert gpu["optimizer state"] == pytest.approx(LORA_PARAMS_70B * 12 / 8)
+    # fp32 gradients, partitioned, plus one reduce bucket of fp32 elements
+    assert gpu["gradients"] == pytest.approx(LORA_PARAMS_70B * 4 / 8 + ZERO_REDUCE_BUCKET * 4)
+    layer_bytes = 855_638_016 * 2
+    assert 0 < gpu["ZeRO-3 gathered parameters"] < layer_bytes  # a module at a time, not a layer unit
     assert host["loading"] == 0  # zero3_init_flag: partitioned as it is read
     assert plan.setup.startswith("DeepSpeed ZeRO-3, 8 processes")
     # 16 ranks: the weights' share halves, the activations do not move
     sixteen = _rows(_plan(lora, {**cfg, "num_processes": 16}))[0]
-    assert sixteen["base weights"] == pytest.approx(shardable / 16 + replicated)
+    assert sixteen["base weights"] == pytest.approx(BASE_BYTES_70B / 16, rel=1e-3)
     assert sixteen["activations: checkpoints"] == gpu["activations: checkpoints"]
 
 
@@ -111,10 +120,12 @@ def test_zero2_keeps_the_whole_model_on_every_gpu_and_loads_a_copy_per_process(l
 
 def test_qlora_under_zero3_loads_the_whole_4bit_base_on_every_gpu(qlora):
     plan = _plan(qlora, read_accelerate_config(ZERO3_QLORA_YAML), gpu_gib=24.0, ladder=False)
-    model_args, data_args, _, training_args = qlora
-    w = workload(model_args, data_args, training_args, "cuda")
-    shardable, replicated, _ = base_weight_bytes(model_shape(LLAMA_70B, extra_vocab=w.extra_vocab), w)
-    assert plan.phases["load"] == pytest.approx(2.0 * GIB + shardable + replicated)
+    # NF4 packs two weights a byte (stored as bf16 elements); nested quantization keeps an 8-bit absmax per block of
+    # 64 weights (0.125 bits a weight) and an fp32 constant per 256 blocks (0.002 bits): ~0.127 bits a weight. The linears (68,451,041,280 weights, above) at ~0.516 bytes each are ~35.3e9 bytes; the
+    # embeddings, head and norms stay bf16: (524,337,152 + 1,318,912) x 2 = 1.05e9. Every rank loads all of it, on
+    # top of the 2 GiB CUDA context.
+    four_bit = 68_451_041_280 * (0.5 + 0.127 / 8) + 525_656_064 * 2
+    assert plan.phases["load"] == pytest.approx(2.0 * GIB + four_bit, rel=0.02)
     assert plan.phases["train step"] < plan.phases["load"] and plan.fails_at == "load"
 
 
