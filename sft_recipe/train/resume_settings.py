@@ -14,8 +14,10 @@ trained at 1e30 again, silently. Decided per setting:
   schedule's shape is built from the flags on every launch (a scheduler saves its step and base rates, not its
   function) and the clipping norm is read at every step. Said, old -> new, where the checkpoint recorded them
   (`schedule` in its marker, `schedule_settings`).
-- Under DeepSpeed the engine restores its optimizer before the Trainer's hook runs: the learning rate is followed
-  (compared with the flag), the other group settings are compared and a WARNING names any that stay as saved.
+- Under DeepSpeed the engine restores its optimizer before the Trainer's hook runs: what this launch built is taken
+  when the Trainer creates the optimizer (`RecipeSFTTrainer.create_optimizer`) and followed the same way. Only where
+  the Trainer built none (a DeepSpeed config with an optimizer of its own), or the groups cannot be matched one to
+  one, is the learning rate followed (compared with the flag) and a WARNING names the settings that stay as saved.
 The data order and the step count stay exactly the checkpoint's.
 """
 
@@ -37,9 +39,12 @@ def schedule_settings(args) -> dict:
     return settings
 
 
-def group_settings(optimizer) -> list[dict]:
-    """Each param group's hyperparameters as this launch's flags built them (taken before the checkpoint loads)."""
-    return [{k: group[k] for k in ("initial_lr", "lr", *GROUP_KEYS) if k in group} for group in optimizer.param_groups]
+def group_settings(optimizer, holding_only: bool = False) -> list[dict]:
+    """Each param group's hyperparameters as this launch's flags built them (taken before the checkpoint loads).
+    `holding_only`: only the groups that hold parameters, as DeepSpeed's ZeRO optimizers keep them (they drop a
+    LoRA model's empty no-decay group: no bias or norm is trained); torch keeps every group."""
+    groups = [group for group in optimizer.param_groups if not holding_only or len(group["params"]) > 0]
+    return [{k: group[k] for k in ("initial_lr", "lr", *GROUP_KEYS) if k in group} for group in groups]
 
 
 def _close(a, b) -> bool:
@@ -67,11 +72,14 @@ def _shown(value) -> str:
 def follow_changed_settings(optimizer, scheduler, args, built: list[dict] | None, saved: dict | None) \
         -> tuple[list[str], list[str]]:
     """After the checkpoint's optimizer and scheduler state loaded: put this launch's settings back where they
-    changed. `built`: group_settings() taken before the load (None under DeepSpeed: compared with the flags then);
+    changed. `built`: group_settings() of the optimizer this launch built (None where it built none: compared with the
+    flags);
     `saved`: the checkpoint marker's `schedule` (None for a checkpoint of an earlier version).
     Returns (followed: "--flag old -> new" lines, not_followed: the same for settings that stay as saved)."""
     followed, not_followed = [], []
     groups = optimizer.param_groups
+    if built is not None and len(built) != len(groups):  # groups not matched one to one: compared with the flags
+        built = None
     loaded_lr = groups[0].get("initial_lr") if groups else None
     if loaded_lr:
         wanted_lr = built[0].get("initial_lr", args.learning_rate) if built else args.learning_rate
@@ -81,7 +89,7 @@ def follow_changed_settings(optimizer, scheduler, args, built: list[dict] | None
     flags = {"weight_decay": "--weight_decay", "betas": "--adam_beta1/--adam_beta2", "eps": "--adam_epsilon"}
     for key in GROUP_KEYS:
         now = [group.get(key) for group in groups]
-        if built is None:  # DeepSpeed: the loaded groups against the flags; the no-decay group's 0 is no change
+        if built is None:  # the loaded groups against the flags; the no-decay group's 0 is no change
             asked = {"weight_decay": args.weight_decay, "betas": (args.adam_beta1, args.adam_beta2),
                      "eps": args.adam_epsilon}[key]
             present = [n for n in now if n is not None and not (key == "weight_decay" and n == 0)]
@@ -90,7 +98,7 @@ def follow_changed_settings(optimizer, scheduler, args, built: list[dict] | None
                 not_followed.append(f"{flags[key]} {_shown(old)} -> {_shown(asked)}")
             continue
         wanted = [settings.get(key) for settings in built]
-        if len(wanted) != len(now) or all(w is None or _close(n, w) for n, w in zip(now, wanted)):
+        if all(w is None or _close(n, w) for n, w in zip(now, wanted)):
             continue
         old = next(n for n, w in zip(now, wanted) if w is not None and not _close(n, w))
         new = next(w for n, w in zip(now, wanted) if w is not None and not _close(n, w))

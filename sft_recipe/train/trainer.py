@@ -293,11 +293,20 @@ class RecipeSFTTrainer(SFTTrainer):
                 "was written without its adapter weights.")
         return result
 
+    def create_optimizer(self, *args, **kwargs):
+        optimizer = super().create_optimizer(*args, **kwargs)
+        # What this launch's flags built, kept for a resume (resume_settings): under DeepSpeed the engine restores
+        # the checkpoint's optimizer before _load_optimizer_and_scheduler runs, so this is the last sight of it.
+        self.built_param_groups = group_settings(self.optimizer, holding_only=self.is_deepspeed_enabled)
+        return optimizer
+
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        # What this launch's flags built, before the checkpoint's hyperparameters replace it (resume_settings).
-        built = None if self.is_deepspeed_enabled else group_settings(self.optimizer)
+        # What this launch's flags built, before the checkpoint's hyperparameters replace it (resume_settings);
+        # None under DeepSpeed with an optimizer of its own config (the Trainer built none).
+        built = getattr(self, "built_param_groups", None) if self.is_deepspeed_enabled else group_settings(
+            self.optimizer)
         if self.is_deepspeed_enabled:
             super()._load_optimizer_and_scheduler(checkpoint)
         else:
@@ -307,8 +316,9 @@ class RecipeSFTTrainer(SFTTrainer):
         if self.accelerator.is_main_process and followed:
             logger.info(f"resume: this launch's settings replace the checkpoint's: {', '.join(followed)}")
         if self.accelerator.is_main_process and not_followed:
-            logger.warning(f"resume under DeepSpeed: the engine restored the checkpoint's {', '.join(not_followed)}; "
-                           "these stay as saved (the learning rate follows the flag).")
+            logger.warning(f"resume: the checkpoint's {', '.join(not_followed)} stay as saved: this launch built no "
+                           "optimizer to take them from (a DeepSpeed config with an optimizer of its own); the "
+                           "learning rate follows the flag.")
 
     def _load_optimizer_and_scheduler_state(self, checkpoint):
         if self.is_fsdp_enabled:

@@ -37,11 +37,11 @@ def _checkpoint_after(steps: int, args):
     return optimizer.state_dict(), schedule.state_dict()
 
 
-def _resume(saved_args, args, steps=4, deepspeed=False):
+def _resume(saved_args, args, steps=4, built_none=False):
     optimizer_state, schedule_state = _checkpoint_after(steps, saved_args)
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
     optimizer, schedule = _optimizer_and_schedule(args, params)
-    built = None if deepspeed else group_settings(optimizer)
+    built = None if built_none else group_settings(optimizer)
     optimizer.load_state_dict(optimizer_state)
     schedule.load_state_dict(schedule_state)
     said = follow_changed_settings(optimizer, schedule, args, built, schedule_settings(saved_args))
@@ -78,9 +78,10 @@ def test_the_schedules_shape_and_clipping_are_said_old_to_new():
     assert followed == ["--lr_scheduler_type linear -> cosine", "--max_steps 10 -> 20", "--max_grad_norm 1 -> 0.3"]
 
 
-def test_under_deepspeed_the_rate_follows_and_the_rest_is_named_as_kept():
+def test_where_the_launch_built_no_optimizer_the_rate_follows_and_the_rest_is_named_as_kept():
+    """A DeepSpeed config with an optimizer of its own: the Trainer built none to take the settings from."""
     optimizer, _, (followed, not_followed) = _resume(_args(weight_decay=0.1), _args(learning_rate=1e-3,
-                                                                                    weight_decay=0.2), deepspeed=True)
+                                                                                    weight_decay=0.2), built_none=True)
     assert followed == ["--learning_rate 0.003 -> 0.001"]
     assert not_followed == ["--weight_decay 0.1 -> 0.2"]
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
@@ -98,3 +99,24 @@ def test_a_checkpoint_trained_only_at_rate_zero_holds_the_initial_weights(rates,
         history = [{"step": i + 1, "learning_rate": rate, "loss": 7.0} for i, rate in enumerate(rates)]
         (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
     assert _trained_at_rate_zero(str(tmp_path)) is expected
+
+
+def test_groups_that_cannot_be_matched_one_to_one_are_compared_with_the_flags_not_skipped():
+    """A checkpoint whose optimizer has another number of groups: nothing is silently left as saved."""
+    optimizer_state, schedule_state = _checkpoint_after(4, _args(weight_decay=0.1))
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    optimizer, schedule = _optimizer_and_schedule(_args(weight_decay=0.2), params)
+    built = [*group_settings(optimizer), {"weight_decay": 0.0}]  # one group more than the loaded optimizer has
+    optimizer.load_state_dict(optimizer_state)
+    schedule.load_state_dict(schedule_state)
+    followed, not_followed = follow_changed_settings(optimizer, schedule, _args(weight_decay=0.2), built, None)
+    assert not_followed == ["--weight_decay 0.1 -> 0.2"]
+
+
+def test_under_deepspeed_the_groups_kept_are_those_that_hold_parameters():
+    """ZeRO drops a LoRA model's empty no-decay group; the settings taken for it must match what it keeps."""
+    optimizer = torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.ones(2))], "weight_decay": 0.5},
+                                   {"params": [], "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.9))
+    assert [g["weight_decay"] for g in group_settings(optimizer)] == [0.5, 0.0]
+    assert group_settings(optimizer, holding_only=True) == [{"lr": 1e-3, "weight_decay": 0.5, "betas": (0.9, 0.9),
+                                                             "eps": 1e-8}]
