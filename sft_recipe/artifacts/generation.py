@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shlex
+from contextlib import contextmanager
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -216,6 +217,27 @@ def add_usage_to_card(folder: str | os.PathLike, section: str) -> None:
         end = len(card) if following < 0 else following + 1
         card = card[:start] + section + ("\n" + card[end:] if following >= 0 else "")
     path.write_text(card, encoding="utf-8")
+
+
+def usage_section_of(folder: str | os.PathLike) -> str | None:
+    """The card's loading section as the recipe wrote it (None: the card in `folder` holds none)."""
+    path = Path(folder) / MODEL_CARD
+    card = path.read_text(encoding="utf-8") if path.is_file() else ""
+    start = card.find(CARD_HEADING)
+    if start < 0:
+        return None
+    following = card.find("\n## ", start + len(CARD_HEADING))
+    return card[start:] if following < 0 else card[start:following + 1]
+
+
+@contextmanager
+def keeping_usage_section(folder: str | os.PathLike, is_main_process: bool):
+    """Around TRL's `create_model_card`, which writes a card of its own over `folder`'s README.md (before a push
+    uploads the folder, and at every checkpoint): the loading section the recipe wrote goes back into TRL's card."""
+    section = usage_section_of(folder) if is_main_process else None
+    yield
+    if section is not None and usage_section_of(folder) is None:
+        add_usage_to_card(folder, section)
 
 
 def write_adapter_generation_files(folder: str | os.PathLike, adapter_dir: str, base_name_or_path: str, tokenizer,

@@ -28,6 +28,7 @@ from sft_recipe.artifacts.adapter import save_final_adapter
 from sft_recipe.artifacts.checkpoints import checkpoint_layout, intact_checkpoints, mark_complete
 from sft_recipe.artifacts.disk_full import guarded_save
 from sft_recipe.artifacts.gather import adapter_state_keys, fsdp1_sharded_adapter_state
+from sft_recipe.artifacts.generation import keeping_usage_section
 from sft_recipe.artifacts.resume_match import run_identity, saved_run
 from sft_recipe.artifacts.state_io import (
     OPTIMIZER_FILE,
@@ -179,6 +180,12 @@ class RecipeSFTTrainer(SFTTrainer):
                            trust_remote_code=self.args.trust_remote_code)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def create_model_card(self, *args, **kwargs):
+        """TRL's card, written over output_dir's README.md before a push uploads the folder (and at every
+        checkpoint), keeps the recipe's loading section (artifacts/generation.py)."""
+        with keeping_usage_section(self.args.output_dir, self.is_world_process_zero()):
+            super().create_model_card(*args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
         """Mark the checkpoint complete once every rank has written it (resume skips unmarked ones), and only then

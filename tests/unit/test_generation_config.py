@@ -185,6 +185,36 @@ def test_the_card_section_replaces_the_empty_one_and_names_what_stops(tiny, tmp_
     assert (f"ends its answers with `{turn_end}`" in section) == added  # said only where the base does not stop
 
 
+def test_trls_card_written_before_a_push_keeps_the_loading_section(tiny, tmp_path):
+    """transformers' push_to_hub (and TRL at every checkpoint) writes TRL's card over README.md, then uploads the
+    folder: RecipeSFTTrainer.create_model_card runs it inside keeping_usage_section."""
+    from trl.trainer.utils import generate_model_card
+
+    from sft_recipe.artifacts.generation import keeping_usage_section, usage_section_of
+
+    def trls_card():  # what TRL's create_model_card writes, by TRL's own generator
+        generate_model_card(base_model="org/base", model_name="demo", hub_model_id="me/demo", dataset_name=None,
+                            tags=["sft", "trl"], wandb_url=None, trackio_url=None,
+                            trainer_name="SFT").save(str(tmp_path / MODEL_CARD))
+
+    (tmp_path / MODEL_CARD).write_text(PEFT_CARD)
+    write_adapter_generation_files(tmp_path, "me/demo", str(tiny.model_dir), _tokenizer(tiny, "chatml"))
+    section = usage_section_of(tmp_path)
+    assert section and section.startswith(CARD_HEADING) and "GenerationConfig.from_pretrained" in section
+    with keeping_usage_section(tmp_path, is_main_process=True):
+        trls_card()
+        assert usage_section_of(tmp_path) is None  # TRL's card alone, as it was written
+    card = (tmp_path / MODEL_CARD).read_text()
+    assert "TRL" in card and "org/base" in card and card.count(CARD_HEADING) == 1  # TRL's card, with ours in it
+    assert usage_section_of(tmp_path) == section
+    with keeping_usage_section(tmp_path, is_main_process=False):  # the other ranks write no card
+        trls_card()
+    assert usage_section_of(tmp_path) is None
+    with keeping_usage_section(tmp_path, is_main_process=True):  # nothing to keep: TRL's card as it wrote it
+        trls_card()
+    assert usage_section_of(tmp_path) is None
+
+
 def test_a_card_without_the_section_gets_it_at_the_end(tiny, tmp_path):
     tokenizer = _tokenizer(tiny, "chatml")
     (tmp_path / MODEL_CARD).write_text("# my card\n")
