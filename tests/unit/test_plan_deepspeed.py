@@ -121,9 +121,9 @@ def test_zero2_keeps_the_whole_model_on_every_gpu_and_loads_a_copy_per_process(l
 def test_qlora_under_zero3_loads_the_whole_4bit_base_on_every_gpu(qlora):
     plan = _plan(qlora, read_accelerate_config(ZERO3_QLORA_YAML), gpu_gib=24.0, ladder=False)
     # NF4 packs two weights a byte (stored as bf16 elements); nested quantization keeps an 8-bit absmax per block of
-    # 64 weights (0.125 bits a weight) and an fp32 constant per 256 blocks (0.002 bits): ~0.127 bits a weight. The linears (68,451,041,280 weights, above) at ~0.516 bytes each are ~35.3e9 bytes; the
-    # embeddings, head and norms stay bf16: (524,337,152 + 1,318,912) x 2 = 1.05e9. Every rank loads all of it, on
-    # top of the 2 GiB CUDA context.
+    # 64 weights (0.125 bits a weight) and an fp32 constant per 256 blocks (0.002 bits): ~0.127 bits a weight. The
+    # linears (68,451,041,280 weights, above) at ~0.516 bytes each are ~35.3e9 bytes; the embeddings, head and norms
+    # stay bf16: (524,337,152 + 1,318,912) x 2 = 1.05e9. Every rank loads all of it, on top of the 2 GiB CUDA context.
     four_bit = 68_451_041_280 * (0.5 + 0.127 / 8) + 525_656_064 * 2
     assert plan.phases["load"] == pytest.approx(2.0 * GIB + four_bit, rel=0.02)
     assert plan.phases["train step"] < plan.phases["load"] and plan.fails_at == "load"
