@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/plan_vs_published.py          # one line per published figure, then the summary
     .venv/bin/python bench/plan_vs_published.py --fit    # the overhead settings that fit the table best
+    .venv/bin/python bench/plan_vs_published.py --cross_validate   # each source predicted from a fit on the others
     .venv/bin/python bench/plan_vs_published.py --markdown   # the table docs/memory-and-speed.md shows
 
 Each row of the table is planned as the source ran it (model, engine and its accelerate YAML, GPUs, CPU offload,
@@ -103,29 +104,86 @@ def planned_gib(row: dict, **knobs) -> float | None:
     return peak
 
 
-def fit_overheads(table: list[dict]) -> list[tuple]:
-    """Every (allocator floor, allocator fraction, context) on a grid, ranked by how many planned figures land within
-    -10%/+15%, then by the worst ratio: the search that set the planner's defaults (sft_recipe/plan/gpu.py)."""
-    planned = table
-    # One plan per row with no overhead, one with the fraction's base (floor 0, fraction 1): the rest is arithmetic.
-    bare = [planned_gib(r, cuda_context_gib=0.0, allocator_floor_gib=0.0, allocator_reserve=0.0) for r in planned]
-    unit = [planned_gib(r, cuda_context_gib=0.0, allocator_floor_gib=0.0, allocator_reserve=1.0) for r in planned]
+GRID = [(floor / 10, fraction / 100, context) for floor in range(0, 31) for fraction in range(0, 101, 5)
+        for context in (0.5, 1.0, 1.5, 2.0, 2.5)]  # (allocator floor GiB, allocator fraction, CUDA context GiB)
+
+
+@functools.cache
+def _bare_and_unit(table_key: tuple) -> tuple[list[float], list[float]]:
+    """Per row, the plan with no overhead and with the fraction's base (floor 0, fraction 1): the rest is arithmetic."""
+    table = [dict(items) for items in table_key]
+    bare = [planned_gib(r, cuda_context_gib=0.0, allocator_floor_gib=0.0, allocator_reserve=0.0) for r in table]
+    unit = [planned_gib(r, cuda_context_gib=0.0, allocator_floor_gib=0.0, allocator_reserve=1.0) for r in table]
+    return bare, unit
+
+
+def ratios_with(table: list[dict], knobs: tuple[float, float, float], rows: list[int]) -> list[float]:
+    """plan / published for `rows` of `table` with the overheads `knobs` (floor, fraction, context)."""
+    bare, unit = _bare_and_unit(tuple(tuple(r.items()) for r in table))
+    floor, fraction, context = knobs
+    ratios = []
+    for i in rows:
+        row = table[i]
+        plan = bare[i] if row["kind"] == "peak allocated" else bare[i] + floor + fraction * (unit[i] - bare[i])
+        plan += context if row["kind"] == "nvidia-smi" else 0.0
+        ratios.append(plan / published_gib(row))
+    return ratios
+
+
+def fit_overheads(table: list[dict], rows: list[int] | None = None) -> list[tuple]:
+    """Every (allocator floor, allocator fraction, context) on a grid, ranked by how many planned figures of `rows`
+    (all by default) land within -10%/+15%, then by the worst ratio: the search that set the planner's defaults
+    (sft_recipe/plan/gpu.py)."""
+    rows = list(range(len(table))) if rows is None else rows
     results = []
-    for floor in [x / 10 for x in range(0, 31)]:
-        for fraction in [x / 100 for x in range(0, 101, 5)]:
-            for context in (0.5, 1.0, 1.5, 2.0, 2.5):
-                ratios = []
-                for row, b, u in zip(planned, bare, unit):
-                    plan = b if row["kind"] == "peak allocated" else b + floor + fraction * (u - b)
-                    plan += context if row["kind"] == "nvidia-smi" else 0.0
-                    ratios.append(plan / published_gib(row))
-                inside = sum(0.90 <= r <= 1.15 for r in ratios)
-                results.append((inside, round(min(ratios), 3), floor, fraction, context, round(max(ratios), 3)))
+    for floor, fraction, context in GRID:
+        ratios = ratios_with(table, (floor, fraction, context), rows)
+        inside = sum(0.90 <= r <= 1.15 for r in ratios)
+        results.append((inside, round(min(ratios), 3), floor, fraction, context, round(max(ratios), 3)))
     return sorted(results, reverse=True)
+
+
+def cross_validate(table: list[dict]) -> list[dict]:
+    """Leave one source out: the overheads fitted on the other sources' figures, then set against the held-out
+    source's (out of sample), beside the planner's shipped constants on the same figures (in sample: they were
+    chosen on the whole table). One entry per source."""
+    from sft_recipe.plan.gpu import DEFAULT_ALLOCATOR_FLOOR_GIB, DEFAULT_ALLOCATOR_RESERVE, DEFAULT_CUDA_CONTEXT_GIB
+
+    shipped = (DEFAULT_ALLOCATOR_FLOOR_GIB, DEFAULT_ALLOCATOR_RESERVE, DEFAULT_CUDA_CONTEXT_GIB)
+    results = []
+    for source in dict.fromkeys(r["source"] for r in table):
+        held_out = [i for i, r in enumerate(table) if r["source"] == source]
+        others = [i for i, r in enumerate(table) if r["source"] != source]
+        _, _, *fitted, _ = fit_overheads(table, others)[0]
+        results.append({"source": source, "figures": len(held_out), "fitted": tuple(fitted),
+                        "in_sample": ratios_with(table, shipped, held_out),
+                        "out_of_sample": ratios_with(table, tuple(fitted), held_out)})
+    return results
+
+
+def cross_validation_lines(results: list[dict]) -> list[str]:
+    def stats(ratios: list[float]) -> str:
+        inside = sum(0.90 <= r <= 1.15 for r in ratios)
+        return f"{inside:>3}/{len(ratios):<3}{statistics.median(ratios):>7.2f}{min(ratios):>7.2f}{max(ratios):>7.2f}"
+
+    lines = [f"{'held-out source':<22}{'fitted on the others (floor, fraction, context)':<48}"
+             f"{'in sample: inside median worst highest':<42}{'out of sample: inside median worst highest'}"]
+    for r in results:
+        floor, fraction, context = r["fitted"]
+        lines.append(f"{r['source']:<22}{f'{floor:.1f} GiB, {fraction:.2f}, {context:.1f} GiB':<48}"
+                     f"{stats(r['in_sample']):<42}{stats(r['out_of_sample'])}")
+    every = [x for r in results for x in r["out_of_sample"]]
+    lines.append(f"out of sample, every figure: {sum(0.90 <= x <= 1.15 for x in every)} of {len(every)} within "
+                 f"-10%/+15%, {sum(x < 0.90 for x in every)} more than 10% below, median "
+                 f"{statistics.median(every):.2f}, worst {min(every):.2f}")
+    return lines
 
 
 def main() -> int:
     table = read_table()
+    if "--cross_validate" in sys.argv:
+        print(*cross_validation_lines(cross_validate(table)), sep="\n")
+        return 0
     if "--fit" in sys.argv:
         print(f"{'inside':>7}{'worst':>7}{'floor GiB':>10}{'fraction':>9}{'context GiB':>12}{'highest':>8}")
         for inside, worst, floor, fraction, context, highest in fit_overheads(table)[:15]:

@@ -8,8 +8,9 @@ from typing import Any
 GIB = 2 ** 30
 MIB = 2 ** 20
 # The most a published GPU figure exceeded the plan of the same run (tests/published_gpu_memory.csv, printed by
-# bench/plan_vs_published.py: worst ratio 0.90): a GPU plan says "fits" only with this much headroom beyond its peak.
-# tests/unit/test_published_figures.py recomputes it from the table.
+# bench/plan_vs_published.py: worst ratio 0.90 with the shipped constants, 0.92 out of sample with each source held
+# out of the fit): a GPU plan says "fits" only with this much headroom beyond its peak.
+# tests/unit/test_published_figures.py recomputes it from both.
 GPU_PLAN_ERROR_BELOW = 0.11
 
 
