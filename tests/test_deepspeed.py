@@ -10,13 +10,15 @@ only need accelerate.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.helpers import RELATIVE_TOLERANCE, REPO, launch_env, launch_train, run_command
+from tests.helpers import RELATIVE_TOLERANCE, REPO, free_port, launch_env, launch_train, run_command
 
 # Upstream's examples/sft configs, key for key (PEFT "DeepSpeed" guide).
 UPSTREAM_COMMON = {
@@ -239,3 +241,27 @@ def test_run_peft_qlora_deepspeed_sh_at_tiny_scale(tiny, tmp_path):
     assert (facts["distribution"]["distributed_type"], facts["distribution"]["num_processes"]) == ("DEEPSPEED", 2)
     assert facts["weights"]["frozen_changed"] is False and facts["weights"]["trainable_changed"] is True
     assert "adapter check OK" in result.output and facts["training"]["eval_losses"]  # --eval_strategy epoch ran
+
+
+ZERO_INIT_DTYPES = """
+import os
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import torch, deepspeed
+deepspeed.init_distributed(dist_backend="gloo")
+for name, mixed in {"bf16": {"bf16": {"enabled": True}}, "fp32": {}}.items():
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, **mixed}
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        layer = torch.nn.Linear(8, 8, dtype=torch.float32)
+    print(name, layer.weight.dtype)
+"""
+
+
+def test_zero_init_gives_every_weight_the_configs_dtype_whatever_it_was_created_in():
+    """What the memory plan's DeepSpeed rows rest on (sft_recipe/plan/planner.py): a weight created in fp32 under
+    zero.Init with bf16 enabled is bf16, so --torch_dtype float32 does not double the base under ZeRO-3 + bf16."""
+    pytest.importorskip("deepspeed")
+    env = {**launch_env(cpu_switch=False), "PORT": str(free_port())}
+    out = subprocess.run([sys.executable, "-c", ZERO_INIT_DTYPES], env=env, capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "bf16 torch.bfloat16" in out.stdout and "fp32 torch.float32" in out.stdout, out.stdout

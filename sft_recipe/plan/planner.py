@@ -55,6 +55,12 @@ def plan_memory(model_args, data_args, training_args, accelerate_config: dict | 
     w = replace(workload(model_args, data_args, training_args, device, dora), loss_impl=loss_impl,
                 adapter_bytes=ADAPTER_DTYPE_BYTES[adapter_dtype])
     check_inputs(gpu_memory_gib, device, d, w)
+    if d.kind == "deepspeed" and w.quant is None:
+        # DeepSpeed gives every parameter its config's dtype, whatever --torch_dtype loaded: zero.Init as each is
+        # created (partition_parameters.py, Init._set_dtype and the tensor-creation wrappers), the engine's cast
+        # otherwise (engine.py, _configure_distributed_model). bf16/fp16 follow the Trainer's flags.
+        mixed = bool(getattr(training_args, "bf16", False) or getattr(training_args, "fp16", False))
+        w = replace(w, load_bytes=2 if mixed else 4)
     if shape is None:
         shape = model_shape(model_args.model_name_or_path, bool(getattr(training_args, "trust_remote_code", False)),
                             w.extra_vocab)

@@ -97,6 +97,20 @@ def test_zero3_partitions_every_weight_and_the_optimizer_and_keeps_one_reduce_bu
     assert sixteen["activations: checkpoints"] == gpu["activations: checkpoints"]
 
 
+def test_deepspeeds_dtype_not_torch_dtype_sizes_the_base():
+    """PEFT's DeepSpeed guide loads the 70B with --torch_dtype float32 beside --bf16 True: zero.Init makes every
+    weight bf16 as it is created (tests/test_deepspeed.py pins DeepSpeed doing so), so the base is 2 bytes a weight
+    on the GPUs, as with --torch_dtype bfloat16; without mixed precision it stays fp32."""
+    def base(*flags):
+        args = parse_train_flags(["--config", str(REPO / "recipes" / "llama2_70b_lora.yaml"), "--model_name_or_path",
+                                  LLAMA_70B, *flags], "cuda")
+        return _rows(_plan(args, read_accelerate_config(ZERO3_YAML)))[0]["base weights"]
+
+    assert base("--torch_dtype", "float32") == pytest.approx(BASE_BYTES_70B / 8, rel=1e-3)
+    assert base("--torch_dtype", "bfloat16") == pytest.approx(BASE_BYTES_70B / 8, rel=1e-3)
+    assert base("--torch_dtype", "float32", "--bf16", "False") == pytest.approx(BASE_BYTES_70B * 2 / 8, rel=1e-3)
+
+
 def test_cpu_offload_moves_the_optimizer_and_the_parameters_to_host_ram(lora):
     cfg = read_accelerate_config(ZERO3_YAML)
     on_gpu, _ = _rows(_plan(lora, cfg))
