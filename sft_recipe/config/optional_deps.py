@@ -17,6 +17,7 @@ import sys
 
 from sft_recipe.config import packages
 from sft_recipe.config.packages import COMPILE_BACKENDS_TORCH_LACKS, checks_text, fix_text, needs_text, version_of
+from sft_recipe.errors import check_not_run
 
 SAFE_OPTIMIZER = "adamw_torch"  # the fix offered for an optimizer whose package is missing
 
@@ -79,9 +80,33 @@ def report_to_problems(report_to) -> list[str]:
                             f"integration.{comma} Fix: one of {sorted(known)}, or --report_to none.")
             continue
         other = f"leave {name} out of report_to, or " if len(names) > 1 else ""
-        problems += package_problem(f"--report_to {name}", "--report_to", name, f", or {other}--report_to none "
-                                    "(losses go to the log and run_record.json only).", state="available")
+        missing = package_problem(f"--report_to {name}", "--report_to", name, f", or {other}--report_to none "
+                                  "(losses go to the log and run_record.json only).", state="available")
+        problems += missing
+        if name in ("mlflow", "dagshub") and not missing:
+            problems += mlflow_store_problems(name, other)
     return problems
+
+
+def mlflow_store_problems(name: str, other: str = "") -> list[str]:
+    """MLflow opens its tracking store only when transformers' MLflowCallback starts the run, after the model has
+    loaded. MLflow 3 refuses a local `./mlruns` (file) store ("maintenance mode"), and mlflow-skinny, which provides
+    the `mlflow` module, has no sqlite store, MLflow 3's default: such a run died at its first step. The store is
+    opened here the way the callback does (`MlflowClient()` on MLFLOW_TRACKING_URI or MLflow's default): a remote
+    server is not contacted (its client connects on first use)."""
+    try:
+        import mlflow
+    except Exception as e:  # noqa: BLE001 -- found but not importable: said, and transformers fails loudly later
+        check_not_run("the MLflow tracking-store check", e)
+        return []
+    try:
+        mlflow.MlflowClient()
+    except Exception as e:  # noqa: BLE001 -- whatever MLflow raises for a store it cannot open is the user's message
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        return [f"--report_to {name}: MLflow cannot open its tracking store {mlflow.get_tracking_uri()} ({first}). "
+                "Fix: MLFLOW_TRACKING_URI=http://<your tracking server>, or a store this MLflow opens (the full "
+                f"`pip install mlflow` has sqlite:///mlflow.db), or {other}--report_to none."]
+    return []
 
 
 def liger_problems() -> list[str]:

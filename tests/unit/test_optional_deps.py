@@ -108,6 +108,42 @@ def test_each_report_to_integration(name, monkeypatch):
     assert od.report_to_problems([name]) == []
 
 
+def _fake_mlflow(monkeypatch, opens: bool):
+    """An `mlflow` module whose client fails as MLflow 3.18 (mlflow-skinny) did on a local file store."""
+    import types
+
+    def client():
+        if not opens:
+            raise RuntimeError("The filesystem tracking backend (e.g., './mlruns') is in maintenance mode and will "
+                               "not receive further updates.\nPlease migrate to a database backend")
+
+    module = types.SimpleNamespace(MlflowClient=client, get_tracking_uri=lambda: "file:///runs/mlruns")
+    monkeypatch.setitem(sys.modules, "mlflow", module)
+    _set(monkeypatch, "--report_to", "mlflow", available=True)
+
+
+def test_an_mlflow_store_that_cannot_be_opened_is_refused_before_the_load(monkeypatch):
+    """MLflow opens its store only when the callback starts the run, after the model loaded; the check opens it
+    first, the way the callback does."""
+    _fake_mlflow(monkeypatch, opens=False)
+    (problem,) = od.report_to_problems(["mlflow"])
+    assert problem.startswith("--report_to mlflow: MLflow cannot open its tracking store file:///runs/mlruns (The "
+                              "filesystem tracking backend (e.g., './mlruns') is in maintenance mode")
+    assert "Fix: MLFLOW_TRACKING_URI=http://<your tracking server>" in problem and "\n" not in problem
+    (problem,) = od.report_to_problems(["tensorboard", "mlflow"])
+    assert problem.endswith("or leave mlflow out of report_to, or --report_to none.")
+    _fake_mlflow(monkeypatch, opens=True)
+    assert od.report_to_problems(["mlflow"]) == []
+
+
+def test_an_mlflow_that_is_found_but_does_not_import_is_said_not_refused(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # found by the availability helper, not importable
+    _set(monkeypatch, "--report_to", "mlflow", available=True)
+    with caplog.at_level("WARNING"):
+        assert od.report_to_problems(["mlflow"]) == []
+    assert "the MLflow tracking-store check could not run" in caplog.text
+
+
 def test_report_to_lists_all_and_none(monkeypatch):
     import transformers.integrations.integration_utils as integrations
 
