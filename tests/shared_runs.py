@@ -63,7 +63,8 @@ LOGGED_IN = {"HF_TOKEN": SECRET_TOKEN}
 # name -> launch. The first ten are tests/e2e/test_train.py's engine x feature cells; their readers are listed
 # beside each (grep the name to find them all).
 SHARED_LAUNCHES: dict[str, SharedLaunch] = {
-    # test_train; test_checkpoint_adapters_are_verified_too (its checkpoints and a resume from checkpoint-4)
+    # test_train; test_checkpoint_adapters_are_verified_too (its checkpoints and a resume from checkpoint-4);
+    # test_adapter_trained_further (its adapter, trained further on every engine)
     "lora-single": SharedLaunch("cpu/single.yaml", _tiny("jsonl", "chatml", *CHECKPOINTS), LOGGED_IN),
     # test_train; test_merge_after_training (FSDP1 + chatml merge); test_generation_stops (sharded checkpoints);
     # test_integrations (TensorBoard under FSDP1)
@@ -71,7 +72,7 @@ SHARED_LAUNCHES: dict[str, SharedLaunch] = {
                                LOGGED_IN),
     "lora-fsdp2": SharedLaunch("cpu/fsdp2_config.yaml", _tiny("parquet", "zephyr", "--assistant_only_loss", "True"),
                                LOGGED_IN),
-    # test_train; test_merge_after_training (QLoRA merge into the bf16 base)
+    # test_train; test_merge_after_training (QLoRA merge into the bf16 base); test_adapter_trained_further (FSDP2)
     "qlora-single": SharedLaunch("cpu/single.yaml", _tiny("jsonl", "none", *QLORA_FLAGS), LOGGED_IN),
     # test_train; test_resume (its checkpoint-4 resumed: exact on the 4-bit base)
     "qlora-fsdp1": SharedLaunch("cpu/fsdp_config.yaml", _tiny("text", "none", *QLORA_FLAGS, "--dataset_text_field",
