@@ -31,6 +31,14 @@ def bin_dir() -> str:
     return str(Path(sys.executable).parent)
 
 
+def accelerate_launch() -> list[str]:
+    """`accelerate launch` as its own module: the parser and launch_command the CLI dispatches to, without the CLI
+    registering every other subcommand first (its `estimate` imports transformers: 0.7 CPU-s a launch, ~100 in the
+    suite). The run_peft*.sh scripts and the README's commands go through the CLI itself (tests/test_scripts.py,
+    tests/test_readme.py, tests/test_launch_paths.py)."""
+    return [sys.executable, "-m", "accelerate.commands.launch"]
+
+
 def launch_env(cpu_switch: bool = True) -> dict[str, str]:
     """Environment for a launched run: the venv's tools first on PATH, offline, quiet, one thread per rank."""
     env = dict(os.environ)
@@ -73,7 +81,7 @@ def launch_train(config: str, output_dir: Path, args: list[str], env: dict | Non
 def start_train(config: str, output_dir: Path, args: list[str], env: dict | None = None):
     """`launch_train` without waiting: (the launcher's Popen, its log open for reading beside output_dir), for tests
     that act on a run while it trains (signals, a second launch)."""
-    cmd = [os.path.join(bin_dir(), "accelerate"), "launch", "--config_file", str(REPO / "configs" / config),
+    cmd = [*accelerate_launch(), "--config_file", str(REPO / "configs" / config),
            "--main_process_port", str(free_port()), "train.py", "--output_dir", str(output_dir), *args]
     log = open(output_dir.parent / f"{output_dir.name}.log", "w+")
     return subprocess.Popen(cmd, cwd=REPO, env=env or launch_env(), stdout=log, stderr=subprocess.STDOUT,
@@ -113,7 +121,7 @@ def launch_two_machines(config: str, script: str, args: list[str], log_dir: Path
     machines = []
     for machine_rank in (0, 1):
         log = open(log_dir / f"machine-{machine_rank}.log", "w+")
-        cmd = [os.path.join(bin_dir(), "accelerate"), "launch", "--config_file", str(REPO / "configs" / config),
+        cmd = [*accelerate_launch(), "--config_file", str(REPO / "configs" / config),
                "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine_rank),
                "--main_process_ip", "127.0.0.1", "--main_process_port", port, *launcher_args, script, *args]
         machines.append((subprocess.Popen(cmd, cwd=REPO, env={**launch_env(), **(env or {})}, stdout=log,
@@ -136,7 +144,7 @@ def launch_two_machines(config: str, script: str, args: list[str], log_dir: Path
 def launch_script(config: str, script: str, args: list[str], output_dir: Path, env: dict | None = None,
                   launcher_args: tuple[str, ...] = ()) -> RunResult:
     """`accelerate launch --config_file configs/<config> [launcher_args] <script> ...` through the real launcher."""
-    cmd = [os.path.join(bin_dir(), "accelerate"), "launch", "--config_file", str(REPO / "configs" / config),
+    cmd = [*accelerate_launch(), "--config_file", str(REPO / "configs" / config),
            "--main_process_port", str(free_port()), *launcher_args, script, *args]
     return run_command(cmd, output_dir, env)
 

@@ -28,9 +28,9 @@ DEFAULT_CUDA_CONTEXT_GIB = 2.0
 # Answer.AI's paired figures bound the floor: reserved - allocated = 2.0 and 1.1 GiB for Llama-2-7B LoRA at B=1
 # (seq 512, 2048); floor and fraction are the pair that puts the most of the table's 24 figures within -10%/+15%
 # (22; the search: bench/plan_vs_published.py --fit). Fitted, so checked out of sample too: with each source held
-# out of the search, none of its figures lies more than 10% above its plan (--cross_validate: worst 0.92). Under pressure the allocator frees cached blocks
-# and retries before it fails, which is why a plan whose reserve does not fit is "tight", not "does not fit"
-# (result.MemoryPlan.verdict).
+# out of the search, none of its figures lies more than 10% above its plan (--cross_validate: worst 0.92). Under
+# pressure the allocator frees cached blocks and retries before it fails, which is why a plan whose reserve does not
+# fit is "tight", not "does not fit" (result.MemoryPlan.verdict).
 DEFAULT_ALLOCATOR_FLOOR_GIB = 1.1
 DEFAULT_ALLOCATOR_RESERVE = 0.40
 DEFAULT_HOST_RUNTIME_GIB = 3.0   # host RSS of one CUDA PyTorch process (libraries, kernels, Python)

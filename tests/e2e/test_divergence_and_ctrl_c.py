@@ -25,7 +25,7 @@ import sys
 import time
 
 from sft_recipe.artifacts.checkpoints import intact_checkpoints, is_complete
-from tests.helpers import REPO, bin_dir, free_port, launch_env, wait_for_training
+from tests.helpers import REPO, accelerate_launch, free_port, launch_env, wait_for_training
 
 FLAGS = ["--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0",
          "--lora_target_modules", "all-linear", "--per_device_train_batch_size", "4", "--logging_steps", "1",
@@ -159,7 +159,7 @@ def test_divergence_on_one_rank_stops_every_rank(tiny, tmp_path):
     out = tmp_path / "run"
     train = _train_cmd(tiny, out, "--learning_rate", "3e-3", "--max_steps", "30", "--save_strategy", "steps",
                        "--save_steps", "1", model=model, dataset=data)[1:]
-    cmd = [os.path.join(bin_dir(), "accelerate"), "launch", "--config_file", "configs/cpu/fsdp2_config.yaml",
+    cmd = [*accelerate_launch(), "--config_file", "configs/cpu/fsdp2_config.yaml",
            "--main_process_port", str(free_port()), *train]
     proc, log = _start(cmd, tmp_path / "run.log")
     output = _finish(proc, log)
@@ -308,7 +308,7 @@ def test_sighup_to_the_launcher_checkpoints_every_rank(tiny, tmp_path):
     torch elastic forwards it to each rank, and every rank finishes the step, checkpoints and exits 75. The launcher
     itself ends with torch's SignalException (exit 1); the run_peft_*.sh scripts turn the note into 75."""
     out = tmp_path / "run"
-    cmd = [os.path.join(bin_dir(), "accelerate"), "launch", "--config_file",
+    cmd = [*accelerate_launch(), "--config_file",
            str(REPO / "configs" / "cpu" / "fsdp2_config.yaml"), "--main_process_port", str(free_port()),
            *_train_cmd(tiny, out, "--learning_rate", "3e-3", "--max_steps", "2000", "--save_strategy", "no")[1:]]
     proc, log = _start(cmd, tmp_path / "run.log")

@@ -22,7 +22,7 @@ from sft_recipe.artifacts.checkpoints import latest_complete_checkpoint
 from tests.helpers import (
     RELATIVE_TOLERANCE,
     REPO,
-    bin_dir,
+    accelerate_launch,
     free_port,
     launch_env,
     launch_train,
@@ -38,7 +38,7 @@ CONFIG = "cpu/fsdp2_config.yaml"
 
 
 def _start(tiny, output_dir, extra):
-    cmd = [os.path.join(bin_dir(), "accelerate"), "launch", "--config_file", str(REPO / "configs" / CONFIG),
+    cmd = [*accelerate_launch(), "--config_file", str(REPO / "configs" / CONFIG),
            "--main_process_port", str(free_port()), "train.py", "--output_dir", str(output_dir),
            "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir), *FLAGS, *extra]
     log = open(output_dir.parent / f"{output_dir.name}.log", "w+")

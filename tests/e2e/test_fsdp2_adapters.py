@@ -23,12 +23,11 @@ peft 0.21.2 (this stack) does not do that. What holds here:
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest
 
-from tests.helpers import REPO, bin_dir, free_port, launch_env, run_command
+from tests.helpers import REPO, accelerate_launch, free_port, launch_env, run_command
 
 WORKER = REPO / "tests" / "e2e" / "fsdp2_adapters_worker.py"
 STEPS_PER_PHASE = 3  # the worker's phase length
@@ -39,7 +38,7 @@ LAUNCH_TIMEOUT_S = 300
 @pytest.fixture(scope="module")
 def ranks(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2_adapters")
-    cmd = [os.path.join(bin_dir(), "accelerate"), "launch",
+    cmd = [*accelerate_launch(),
            "--config_file", str(REPO / "configs" / "cpu" / "fsdp2_config.yaml"),
            "--main_process_port", str(free_port()),
            str(WORKER), "--model_dir", str(tiny.model_dir), "--out_dir", str(out)]
