@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -157,8 +158,16 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
         trainer.push_to_hub()
     elif recipe_args.defer_push_to_hub and trainer.accelerator.is_main_process:
         repo = training_args.hub_model_id or os.path.basename(os.path.abspath(training_args.output_dir))
-        private = " --private" if training_args.hub_private_repo is not False else ""
-        print(f"Push deferred. Upload later with: hf upload {repo} {training_args.output_dir}{private}", flush=True)
+        print(f"Push deferred. Upload later with: {deferred_upload_command(repo, training_args, final_save)}",
+              flush=True)
+
+
+def deferred_upload_command(repo: str, training_args, final_save: dict) -> str:
+    """`hf upload` of the checked adapter folder's files alone (the run record's saves.final.files): output_dir also
+    holds checkpoints, a moved-aside previous run, logs and the run record, which `hf upload` would send too."""
+    files = "".join(f" --include {shlex.quote(name)}" for name in final_save.get("files") or [])
+    private = " --private" if training_args.hub_private_repo is not False else ""
+    return f"hf upload {repo} {shlex.quote(training_args.output_dir)}{files}{private}"
 
 
 def run_facts(model_args, data_args, recipe_args, training_args) -> dict:

@@ -36,7 +36,15 @@ def test_run_peft_fsdp_sh(tiny, tmp_path):
     assert "adapter check OK" in result.output and facts["training"]["eval_losses"]  # --eval_strategy epoch ran
     assert (out / "adapter_model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()
     assert list(out.glob("checkpoint-*")), "--save_strategy epoch wrote a checkpoint"
-    assert f"Push deferred. Upload later with: hf upload lora {out} --private" in result.output
+    # The command uploads the checked adapter folder's files alone (the run record lists them): not the checkpoints,
+    # the run record or the logs beside them in output_dir.
+    files = facts["saves"]["final"]["files"]
+    assert {"adapter_model.safetensors", "adapter_config.json", "README.md", "tokenizer_config.json",
+            "generation_config.json"} <= set(files) and all((out / name).is_file() for name in files)
+    assert not any(name.startswith("checkpoint-") or name.endswith(".json") and name.startswith("run_record")
+                   for name in files)
+    includes = "".join(f" --include {name}" for name in files)
+    assert f"Push deferred. Upload later with: hf upload lora {out}{includes} --private" in result.output
 
 
 def test_guide_command_offline_fails_early_naming_the_fix(tiny, tmp_path):

@@ -166,8 +166,10 @@ def save_final_adapter(trainer, output_dir: str, *, verify: bool = True, trust_r
                                                       trust_remote_code),
                      main_only=True, cleanup=writing_folder(output_dir), needed_bytes=int(adapter_mib * 2**20))
         del state_dict
-    # The cost of this save on every rank, for the run record.
-    return save_cost(accelerator, watch, adapter_mib=round(adapter_mib, 3))
+    # The cost of this save on every rank, for the run record, and (main process) the files it wrote: the checked
+    # adapter folder, what a deferred push uploads.
+    cost = save_cost(accelerator, watch, adapter_mib=round(adapter_mib, 3))
+    return {**cost, "files": getattr(trainer, "final_adapter_files", None)}
 
 
 def writing_folder(output_dir) -> Path:
@@ -217,9 +219,11 @@ def _write_and_check(trainer, state_dict, output_dir: str, verify: bool, trust_r
             shutil.rmtree(failed, ignore_errors=True)
             os.replace(tmp, failed)
             raise AdapterCheckError(f"{report.summary()}\nThe files are kept in {failed} for inspection.")
-    for item in tmp.iterdir():
-        os.replace(item, out / item.name)
+    names = sorted(item.name for item in tmp.iterdir())
+    for name in names:
+        os.replace(tmp / name, out / name)
     tmp.rmdir()
+    trainer.final_adapter_files = names
 
 
 def _write_generation_files(trainer, model, folder: Path, output_dir: str, trust_remote_code: bool) -> None:
