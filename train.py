@@ -198,7 +198,7 @@ def print_memory_plan_and_exit(model_args, data_args, recipe_args, training_args
 
 def run(launch: LaunchEnv) -> int:
     """Entry point, exit codes (docs/reliability.md): 0 done; 2 a user mistake, listed without a traceback; 4 diverged;
-    5 a saved adapter failed its check (kept in adapter-FAILED-CHECK/, nothing replaced); 74 a full disk at a save
+    5 a saved adapter failed its check (kept in _adapter-FAILED-CHECK/, nothing replaced); 74 a full disk at a save
     (the newest intact checkpoint kept); 75 preempted and 130 Ctrl-C, both checkpointed."""
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
     try:

@@ -148,7 +148,7 @@ def save_final_adapter(trainer, output_dir: str, *, verify: bool = True, trust_r
 
     The files are written to a temporary folder inside `output_dir`, checked there, then moved into place, so a crash
     or a failed check never replaces a previous good adapter with a broken one. A failed check leaves the files in
-    `output_dir/adapter-FAILED-CHECK/` for inspection and raises.
+    `output_dir/_adapter-FAILED-CHECK/` for inspection and raises.
     """
     from functools import partial
 
@@ -173,8 +173,10 @@ def save_final_adapter(trainer, output_dir: str, *, verify: bool = True, trust_r
 
 
 def writing_folder(output_dir) -> Path:
-    """Where this process writes an adapter before it is checked and moved into `output_dir`."""
-    return Path(output_dir) / f".adapter-writing-{os.getpid()}"
+    """Where this process writes an adapter before it is checked and moved into `output_dir`. Like every folder the
+    recipe keeps inside output_dir beside the adapter (_previous-run-*, _damaged-*, _adapter-FAILED-CHECK), its name
+    starts with `_`, which transformers' Hub uploads of output_dir leave out."""
+    return Path(output_dir) / f"_adapter-writing-{os.getpid()}"
 
 
 def _count_lora_keys(state_dict: dict) -> int:
@@ -215,7 +217,7 @@ def _write_and_check(trainer, state_dict, output_dir: str, verify: bool, trust_r
         report.adapter_dir = str(out)  # name the folder the user will look in, not the temporary one
         print(report.summary(), flush=True)
         if not report.ok:
-            failed = out / "adapter-FAILED-CHECK"
+            failed = out / "_adapter-FAILED-CHECK"
             shutil.rmtree(failed, ignore_errors=True)
             os.replace(tmp, failed)
             raise AdapterCheckError(f"{report.summary()}\nThe files are kept in {failed} for inspection.")

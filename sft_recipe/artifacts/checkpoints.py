@@ -119,10 +119,10 @@ def previous_results(output_dir: str | os.PathLike) -> list[str]:
 
 
 def move_previous_run_aside(output_dir: str | os.PathLike) -> Path | None:
-    """--overwrite_output_dir: keep the previous run's checkpoints in output_dir/previous-run-<time>/, so a new run's
+    """--overwrite_output_dir: keep the previous run's checkpoints in output_dir/_previous-run-<time>/, so a new run's
     checkpoints are not mixed with older, higher-numbered ones (nothing is deleted)."""
     old = checkpoints(output_dir) + [p for p in (Path(output_dir) / "preempted.json",) if p.exists()]
-    return _move_aside(output_dir, "previous-run", old) if old else None
+    return _move_aside(output_dir, "_previous-run", old) if old else None
 
 
 def _move_aside(output_dir: str | os.PathLike, prefix: str, paths: list[Path]) -> Path:
@@ -136,7 +136,7 @@ def _move_aside(output_dir: str | os.PathLike, prefix: str, paths: list[Path]) -
 
 def move_damaged_aside(output_dir: str | os.PathLike, resume_from: str | None, main: bool = True) -> Path | None:
     """Before a resume: move complete-but-damaged checkpoints newer than the one resumed from to
-    output_dir/damaged-<time>/, where the resumed run would otherwise write its own checkpoint over them (nothing is
+    output_dir/_damaged-<time>/, where the resumed run would otherwise write its own checkpoint over them (nothing is
     deleted; the files may still be worth copying back). The main process moves; the others leave it alone."""
     if not resume_from or not main:
         return None
@@ -146,7 +146,7 @@ def move_damaged_aside(output_dir: str | os.PathLike, resume_from: str | None, m
              and is_complete(p) and checkpoint_damage(p)]
     if not newer:
         return None
-    aside = _move_aside(output_dir, "damaged", newer)
+    aside = _move_aside(output_dir, "_damaged", newer)
     logger.warning(f"moved the damaged {', '.join(p.name for p in newer)} to {aside} (nothing is deleted): the "
                    "resumed run writes its own checkpoints at those steps.")
     return aside
@@ -167,7 +167,7 @@ def resolve_resume(resume_from_checkpoint: str | None, output_dir: str) -> tuple
             return None, [f"--resume_from_checkpoint {resume_from_checkpoint}: no intact checkpoint in {output_dir}"
                           f"{where}; damaged: {_damage_list(damaged)}. Fix: copy the damaged files back if you "
                           "have them, or start afresh with --overwrite_output_dir True (the checkpoints move to "
-                          f"{output_dir}/previous-run-<time>/; nothing is deleted) or another --output_dir."]
+                          f"{output_dir}/_previous-run-<time>/; nothing is deleted) or another --output_dir."]
         if damaged:
             _warn_once(f"--resume_from_checkpoint {resume_from_checkpoint}: resuming from {path}, the newest intact "
                        f"checkpoint; skipped as damaged: {_damage_list(damaged)}.")

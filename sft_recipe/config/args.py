@@ -172,7 +172,7 @@ class RecipeArguments:
     overwrite_output_dir: bool = field(
         default=False,
         metadata={"help": "Train into an output_dir that holds a previous run's adapter or checkpoints (its "
-                          "checkpoints are moved to output_dir/previous-run-<time>/). Without it such a run is "
+                          "checkpoints are moved to output_dir/_previous-run-<time>/). Without it such a run is "
                           "refused; --resume_from_checkpoint latest continues the previous run instead."},
     )
     peak_tflops_per_device: float | None = field(

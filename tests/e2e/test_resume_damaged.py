@@ -66,7 +66,7 @@ def test_latest_skips_a_truncated_optimizer_and_the_run_finishes(tiny, trained, 
     assert f"resuming from {out / 'checkpoint-2'}, the newest intact checkpoint; skipped as damaged: checkpoint-3 " \
            "(optimizer.safetensors is 1,000 bytes" in resumed.output
     assert resumed.record["training"]["global_steps"] == 4
-    (aside,) = out.glob("damaged-*")
+    (aside,) = out.glob("_damaged-*")
     assert (aside / "checkpoint-3" / "optimizer.safetensors").stat().st_size == 1000  # kept, as it was
     assert checkpoint_damage(out / "checkpoint-3") == []  # the resumed run's own step 3
 

@@ -64,7 +64,7 @@ def test_a_second_launch_into_a_live_runs_folder_is_refused_before_any_weight_lo
         assert "Fix: wait until that run ends" in second.output and "another --output_dir" in second.output
         # No rank loaded a weight or failed otherwise (the launcher's own report of the failed ranks is a traceback).
         assert "Loading weights" not in second.output and "]: Traceback" not in second.output
-        assert sorted(p.name for p in checkpoints(out)) == before and not list(out.glob("previous-run-*"))
+        assert sorted(p.name for p in checkpoints(out)) == before and not list(out.glob("_previous-run-*"))
         assert _hold(out) == hold  # the live run's hold, untouched
 
         _signal_tree(first, signal.SIGCONT)

@@ -104,7 +104,7 @@ def test_train_save_verify_reload(name, tiny, shared_run):
 
     # The adapter is complete (checked in the run) and loads the way users load it.
     assert "adapter check OK" in result.output
-    assert not (out / "adapter-FAILED-CHECK").exists()
+    assert not (out / "_adapter-FAILED-CHECK").exists()
     saved = json.loads((out / "adapter_config.json").read_text())
     assert saved["r"] == 8 and saved["peft_type"] == "LORA"
     assert saved["use_dora"] == use_dora

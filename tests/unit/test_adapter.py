@@ -108,8 +108,8 @@ def test_a_failed_check_never_replaces_the_previous_adapter(tiny, trained_adapte
     with pytest.raises(AdapterCheckError, match="lora_B tensors are all zeros"):
         _write_and_check(trainer, model.state_dict(), str(out), verify=True, trust_remote_code=False)
     assert (out / ADAPTER_WEIGHTS).read_bytes() == before
-    assert (out / "adapter-FAILED-CHECK" / ADAPTER_WEIGHTS).is_file()
-    assert not list(out.glob(".adapter-writing-*"))
+    assert (out / "_adapter-FAILED-CHECK" / ADAPTER_WEIGHTS).is_file()
+    assert not list(out.glob("_adapter-writing-*"))
 
 
 def test_a_passing_check_moves_the_files_into_place(tiny, tmp_path):
@@ -128,7 +128,7 @@ def test_a_passing_check_moves_the_files_into_place(tiny, tmp_path):
     _write_and_check(_FakeTrainer(model, AutoTokenizer.from_pretrained(str(tiny.model_dir))), model.state_dict(),
                      str(out), verify=True, trust_remote_code=False)
     assert check_adapter(str(out)).ok and (out / "tokenizer_config.json").is_file()
-    assert not list(out.glob(".adapter-writing-*"))
+    assert not list(out.glob("_adapter-writing-*"))
 
 
 @pytest.mark.parametrize("resized", [False, True])
@@ -184,8 +184,8 @@ def test_a_failed_check_at_the_final_save_exits_5_with_the_message_and_the_files
     captured = capsys.readouterr()
     assert code == ADAPTER_CHECK_EXIT_CODE and "Traceback" not in captured.err + captured.out
     assert "adapter check FAILED" in captured.err and "lora_B tensors are all zeros" in captured.err
-    assert f"kept in {out / 'adapter-FAILED-CHECK'}" in captured.err and "Nothing was replaced" in captured.err
-    assert (out / "adapter-FAILED-CHECK" / ADAPTER_WEIGHTS).is_file() and not (out / ADAPTER_WEIGHTS).exists()
+    assert f"kept in {out / '_adapter-FAILED-CHECK'}" in captured.err and "Nothing was replaced" in captured.err
+    assert (out / "_adapter-FAILED-CHECK" / ADAPTER_WEIGHTS).is_file() and not (out / ADAPTER_WEIGHTS).exists()
 
 
 def test_the_embedding_rows_are_read_from_the_matrix_not_a_norm_the_embedding_holds(tmp_path):

@@ -87,6 +87,47 @@ def test_overwrite_moves_old_checkpoints_aside_and_deletes_nothing(tmp_path):
     assert move_previous_run_aside(tmp_path) is None
 
 
+def _hub_ignore_patterns(method) -> list[str]:
+    """The ignore_patterns transformers' own push passes to upload_folder, read from its source."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and getattr(node.func, "attr", "") ==
+             "upload_folder"]
+    (keyword,) = [k for call in calls for k in call.keywords if k.arg == "ignore_patterns"]
+    return [ast.literal_eval(e) if isinstance(e, ast.Constant) else "checkpoint-*" for e in keyword.value.elts]
+
+
+def test_what_a_run_moves_aside_in_output_dir_never_goes_to_the_hub(tmp_path):
+    """transformers uploads output_dir but `_*` and `checkpoint-*` (push_to_hub, and every save with hub_strategy
+    every_save): a previous run's checkpoints, damaged ones and a failed adapter, kept in output_dir, stay on the
+    machine. Checked with huggingface_hub's own filter and transformers' own patterns."""
+    from huggingface_hub.utils import filter_repo_objects
+    from transformers import Trainer
+
+    from sft_recipe.artifacts.adapter import writing_folder
+
+    out = tmp_path / "run"
+    _checkpoint(out, 4)
+    (out / "checkpoint-4" / "optimizer.pt").write_text("state")
+    previous = move_previous_run_aside(out)
+    for name in ("adapter_model.safetensors", "adapter_config.json", "README.md"):
+        (out / name).write_text("adapter")
+    (out / "_adapter-FAILED-CHECK").mkdir()  # the name adapter.py keeps a failed check's files under
+    (out / "_adapter-FAILED-CHECK" / "adapter_model.safetensors").write_text("failed")
+    writing_folder(out).mkdir()
+    (writing_folder(out) / "adapter_model.safetensors").write_text("half-written")
+    files = [str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()]
+    for method in (Trainer.push_to_hub, Trainer._push_from_checkpoint):
+        patterns = _hub_ignore_patterns(method)
+        assert "_*" in patterns, patterns
+        uploaded = set(filter_repo_objects(files, ignore_patterns=patterns))
+        assert uploaded == {"adapter_model.safetensors", "adapter_config.json", "README.md"}, (method, uploaded)
+    assert previous.name.startswith("_previous-run-")
+
+
 def test_a_resume_that_loads_nothing_stops_the_run(tiny, tmp_path, monkeypatch):
     from datasets import Dataset
     from peft import LoraConfig

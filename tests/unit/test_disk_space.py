@@ -257,7 +257,7 @@ def test_a_full_disk_at_the_final_adapter_replaces_nothing(tiny, tmp_path, monke
     assert f"disk full: --output_dir {out}: the disk filled while writing the final adapter" in err
     assert "Nothing was replaced" in err and "No intact checkpoint was kept" in err
     assert not (out / "adapter_model.safetensors").exists()
-    assert not list(out.glob(".adapter-writing-*"))
+    assert not list(out.glob("_adapter-writing-*"))
 
 
 def test_a_full_disk_outside_the_saves_still_exits_74_naming_the_file(tiny, tmp_path, monkeypatch, capsys,

@@ -47,7 +47,7 @@ def test_a_refused_overwrite_leaves_the_previous_run_where_it_was(tiny, tmp_path
             "--output_dir", str(previous_run), "--overwrite_output_dir", "True", *GUIDE_LORA]
     code, err = run_train(argv, monkeypatch, capsys)
     assert code == 2 and "line 241" in err, err
-    assert _snapshot(previous_run) == before  # before: previous-run-<time>/ held the checkpoints and the note
+    assert _snapshot(previous_run) == before  # before: _previous-run-<time>/ held the checkpoints and the note
 
 
 def test_a_refused_launch_into_a_new_folder_leaves_no_folder(tiny, tmp_path, monkeypatch, capsys):
