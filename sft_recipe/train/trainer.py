@@ -312,8 +312,10 @@ class RecipeSFTTrainer(SFTTrainer):
             return super()._load_optimizer_and_scheduler(checkpoint)
         # What this launch's flags built, before the checkpoint's hyperparameters replace it (resume_settings);
         # None under DeepSpeed with an optimizer of its own config (the Trainer built none).
-        built = getattr(self, "built_param_groups", None) if self.is_deepspeed_enabled else group_settings(
-            self.optimizer)
+        if self.is_deepspeed_enabled:
+            built = getattr(self, "built_param_groups", None)
+        else:
+            built = group_settings(self.optimizer)
         if self.is_deepspeed_enabled:
             super()._load_optimizer_and_scheduler(checkpoint)
         else:
@@ -323,9 +325,10 @@ class RecipeSFTTrainer(SFTTrainer):
         if self.accelerator.is_main_process and followed:
             logger.info(f"resume: this launch's settings replace the checkpoint's: {', '.join(followed)}")
         if self.accelerator.is_main_process and not_followed:
-            logger.warning(f"resume: the checkpoint's {', '.join(not_followed)} stay as saved: this launch built no "
-                           "optimizer to take them from (a DeepSpeed config with an optimizer of its own); the "
-                           "learning rate follows the flag.")
+            logger.warning(f"resume: the checkpoint's {', '.join(not_followed)} stay as saved: this launch's "
+                           "optimizer groups could not be matched to the checkpoint's one to one (or, under a "
+                           "DeepSpeed config with an optimizer of its own, it built none); the learning rate follows "
+                           "the flag.")
 
     def _load_optimizer_and_scheduler_state(self, checkpoint):
         if self.is_fsdp_enabled:
