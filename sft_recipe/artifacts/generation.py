@@ -204,30 +204,34 @@ print(chat([{{"role": "user", "content": "Hello!"}}], max_new_tokens=256)[0]["ge
 """
 
 
-def add_usage_to_card(folder: str | os.PathLike, section: str) -> None:
-    """Put `section` in place of the card template's empty "How to Get Started" section (or at the end of a card
-    without one; a card of its own where PEFT wrote none)."""
+def _read_card(folder: str | os.PathLike) -> tuple[Path, str, tuple[int, int] | None]:
+    """(the card's path, its text, the span of its "How to Get Started" section up to the next `## ` heading, or None
+    where it has none)."""
     path = Path(folder) / MODEL_CARD
     card = path.read_text(encoding="utf-8") if path.is_file() else ""
     start = card.find(CARD_HEADING)
     if start < 0:
+        return path, card, None
+    following = card.find("\n## ", start + len(CARD_HEADING))
+    return path, card, (start, len(card) if following < 0 else following + 1)
+
+
+def add_usage_to_card(folder: str | os.PathLike, section: str) -> None:
+    """Put `section` in place of the card template's empty "How to Get Started" section (or at the end of a card
+    without one; a card of its own where PEFT wrote none)."""
+    path, card, span = _read_card(folder)
+    if span is None:
         card = card.rstrip("\n") + ("\n\n" if card else "") + section
     else:
-        following = card.find("\n## ", start + len(CARD_HEADING))
-        end = len(card) if following < 0 else following + 1
-        card = card[:start] + section + ("\n" + card[end:] if following >= 0 else "")
+        start, end = span
+        card = card[:start] + section + ("\n" + card[end:] if end < len(card) else "")
     path.write_text(card, encoding="utf-8")
 
 
 def usage_section_of(folder: str | os.PathLike) -> str | None:
     """The card's loading section as the recipe wrote it (None: the card in `folder` holds none)."""
-    path = Path(folder) / MODEL_CARD
-    card = path.read_text(encoding="utf-8") if path.is_file() else ""
-    start = card.find(CARD_HEADING)
-    if start < 0:
-        return None
-    following = card.find("\n## ", start + len(CARD_HEADING))
-    return card[start:] if following < 0 else card[start:following + 1]
+    _, card, span = _read_card(folder)
+    return None if span is None else card[span[0]:span[1]]
 
 
 @contextmanager
