@@ -56,7 +56,7 @@ def _print_report(result: dict, samples: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--adapter_dir", required=True)
-    parser.add_argument("--dataset_name", required=True, help="same forms as train.py's --dataset_name")
+    parser.add_argument("--dataset_name", required=True, help="one source, in any form train.py's --dataset_name takes")
     parser.add_argument("--split", default="test")
     parser.add_argument("--max_examples", type=int, default=64)
     parser.add_argument("--samples", type=int, default=4, help="how many answers to print side by side")

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from sft_recipe.config.command_line import hardware_defaults, value_of
+from sft_recipe.config.mixture_yaml import mixture_as_flags
 from sft_recipe.errors import ConfigError  # re-exported: forks and tests import it from here
 
 
@@ -109,7 +110,15 @@ class DataTrainingArguments:
         default="timdettmers/openassistant-guanaco",  # upstream's default
         metadata={"help": "Hub dataset name; or a local folder holding one `save_to_disk` folder per split, a "
                           "`save_to_disk` DatasetDict, or files named after the splits (train.jsonl, test.parquet, "
-                          "...: jsonl/json/parquet/csv)."},
+                          "...: jsonl/json/parquet/csv). Several, comma-separated (`a,b`), train one mixture: each "
+                          "source recognised and checked on its own, then mixed (see --dataset_proportions)."},
+    )
+    dataset_proportions: str = field(
+        default="",
+        metadata={"help": "With several --dataset_name sources: each one's share of the training rows, e.g. 0.7,0.3 "
+                          "(TRL's `fraction`: normalised, and the mixture is as large as it can be without repeating "
+                          "a row; which rows, by --seed). Empty: every row of every source. Test splits are mixed "
+                          "whole."},
     )
     append_concat_token: bool = field(
         default=False,
@@ -272,6 +281,7 @@ def read_recipe_yaml(path: str, known: set[str]) -> tuple[dict[str, Any], list[s
         return {}, [f"--config: `{path}` is not valid YAML ({e})."]
     if not isinstance(raw, dict):
         return {}, [f"--config: `{path}` must hold a mapping of flag: value, not {type(raw).__name__}."]
+    raw = mixture_as_flags(raw, f"--config {path}", problems)
     values: dict[str, Any] = {}
     for key, value in raw.items():
         target = ALIASES.get(key, key)

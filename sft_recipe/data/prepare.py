@@ -269,6 +269,7 @@ class PreparedData:
     reports: dict = field(default_factory=dict)  # data reports measured on this copy, by what decides them
     copy_dir: str | None = None  # the folder the tokenized splits were read from (prepared_copy)
     carved: dict | None = None  # the test split held out of train by --eval_split_size (carve_eval_split)
+    mixture: list[dict] | None = None  # several --dataset_name sources: each one's rows and share (data/mixture.py)
 
 
 def _assistant_only_loss_problems(formats: dict[str, str], conversational: dict[str, bool],
@@ -359,15 +360,22 @@ def prepare(loaded: LoadedSplits, data_args: DataTrainingArguments, text_field: 
         bos = tokenizer.bos_token if formats[role] == "text" and data_args.add_special_tokens else None
         datasets[role] = convert(ds, formats[role], roles[role], text_field, bos)
     lines = [f"data: {'split' if len(r) == 1 else 'splits'} {', '.join(r)}: {note}" for note, r in notes.items()]
-    carved = None
-    if getattr(data_args, "eval_split_size", None) is not None:
-        carved = carve_eval_split(datasets, data_args.eval_split_size, seed)
-        formats["test"], dropped["test"] = formats["train"], 0
-        rows_read["test"] = carved["rows"]
-        rows_read["train"] -= carved["rows"]
-        lines.append(f"data: split test: {carved['rows']} rows held out of train by --eval_split_size "
-                     f"{data_args.eval_split_size:g} (seed {seed}): evaluated on, never trained on")
-    return PreparedData(datasets, formats, lines, rows_read, dropped, chat_template, carved=carved)
+    return hold_out_eval_slice(PreparedData(datasets, formats, lines, rows_read, dropped, chat_template),
+                               getattr(data_args, "eval_split_size", None), seed)
+
+
+def hold_out_eval_slice(data: PreparedData, eval_split_size: float | None, seed: int) -> PreparedData:
+    """--eval_split_size: the test split carved from the prepared training rows (of one source, or of a mixture),
+    with the counts and the log line that say so."""
+    if eval_split_size is None:
+        return data
+    data.carved = carve = carve_eval_split(data.datasets, eval_split_size, seed)
+    data.formats["test"], data.rows_dropped["test"] = data.formats["train"], 0
+    data.rows_read["test"] = carve["rows"]
+    data.rows_read["train"] -= carve["rows"]
+    data.notes.append(f"data: split test: {carve['rows']} rows held out of train by --eval_split_size "
+                      f"{eval_split_size:g} (seed {seed}): evaluated on, never trained on")
+    return data
 
 
 def prepare_for_trl(datasets, data_args: DataTrainingArguments, text_field: str, tokenizer,

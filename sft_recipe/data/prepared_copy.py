@@ -30,7 +30,8 @@ from pathlib import Path
 
 from sft_recipe.compat import installed_version
 from sft_recipe.config.args import DataTrainingArguments
-from sft_recipe.data.prepare import PreparedData, locate_splits, prepare, read_splits
+from sft_recipe.data.mixture import is_mixture, prepare_sources, source_args
+from sft_recipe.data.prepare import PreparedData, locate_splits, read_splits
 from sft_recipe.errors import ConfigError, error_chain, is_disk_full
 
 logger = logging.getLogger(__name__)
@@ -72,17 +73,18 @@ def _tokenizer_identity(tokenizer) -> str:
 def preparation_key(data_args: DataTrainingArguments, training_args, tokenizer, hub_fingerprints=None) -> str:
     """What decides the prepared rows, hashed. Hub datasets are named by `datasets`' own fingerprints of what it
     read (`hub_fingerprints`), since a name does not pin a revision."""
-    sources, _ = locate_splits(data_args)
+    sources = [{split: [kind, where] + ([] if kind == "hub" else _file_identity(Path(where)))
+                for split, (kind, where) in sorted(locate_splits(one)[0].items())} for one in source_args(data_args)]
     identity = {
         "format_version": FORMAT_VERSION,
-        "sources": {split: [kind, where] + ([] if kind == "hub" else _file_identity(Path(where)))
-                    for split, (kind, where) in sorted(sources.items())},
+        "sources": sources[0] if len(sources) == 1 else sources,
         "hub": hub_fingerprints or {},
         "data_flags": {k: v for k, v in vars(data_args).items() if k != "preview_examples"},
         "trl_flags": {k: getattr(training_args, k, None) for k in
                       ("dataset_text_field", "assistant_only_loss", "completion_only_loss")},
-        # the seed picks the rows --eval_split_size holds out (and only then decides the copy)
-        "carve_seed": training_args.seed if getattr(data_args, "eval_split_size", None) is not None else None,
+        # the seed picks the rows --eval_split_size holds out and a mixture's rows (and only then decides the copy)
+        "carve_seed": training_args.seed if getattr(data_args, "eval_split_size", None) is not None
+        or is_mixture(data_args) else None,
         "tokenizer": _tokenizer_identity(tokenizer),
         "versions": {name: str(installed_version(name)) for name in VERSIONED},
     }
@@ -109,7 +111,8 @@ def load_copy(key: str) -> PreparedData | None:
         return None
     return PreparedData(datasets={}, formats=meta["formats"], notes=meta["notes"], rows_read=meta["rows_read"],
                         rows_dropped=meta["rows_dropped"], chat_template=meta["chat_template"], tokenized=tokenized,
-                        reports=meta.get("reports", {}), copy_dir=str(folder), carved=meta.get("carved"))
+                        reports=meta.get("reports", {}), copy_dir=str(folder), carved=meta.get("carved"),
+                        mixture=meta.get("mixture"))
 
 
 def _write_split(dataset, folder: Path) -> list[str] | None:
@@ -165,7 +168,7 @@ def save_copy(data: PreparedData, key: str) -> bool:
         parts = {role: _write_split(dataset, tmp / role) for role, dataset in data.tokenized.items()}
         meta = {"key": key, "roles": list(data.tokenized), "parts": parts, "formats": data.formats,
                 "notes": data.notes, "rows_read": data.rows_read, "rows_dropped": data.rows_dropped,
-                "chat_template": data.chat_template, "carved": data.carved}
+                "chat_template": data.chat_template, "carved": data.carved, "mixture": data.mixture}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
         if folder.exists() and load_copy(key) is None:
             folder.rename(old)  # damaged: replaced
@@ -285,14 +288,17 @@ def _prepare_here(data_args: DataTrainingArguments, training_args, tokenizer, sh
         -> tuple[PreparedData, bool]:
     loaded = None
     hub = None
-    if any(kind == "hub" for kind, _ in locate_splits(data_args)[0].values()):
-        loaded = read_splits(data_args)  # a Hub name pins no revision: key by what datasets read
-        hub = {role: ds._fingerprint for role, ds in loaded.datasets.items()}
+    sources = source_args(data_args)  # one per --dataset_name source
+    if any(kind == "hub" for one in sources for kind, _ in locate_splits(one)[0].values()):
+        loaded = [read_splits(one) for one in sources]  # a Hub name pins no revision: key by what datasets read
+        hub = {(role if len(loaded) == 1 else f"{n}:{role}"): ds._fingerprint
+               for n, one in enumerate(loaded) for role, ds in one.datasets.items()}
     key = preparation_key(data_args, training_args, tokenizer, hub)
     if (copy := load_copy(key)) is not None:
         return copy, True
-    data = prepare(loaded or read_splits(data_args), data_args, training_args.dataset_text_field, tokenizer,
-                   assistant_only_loss=training_args.assistant_only_loss, seed=training_args.seed)
+    data = prepare_sources(loaded or [read_splits(one) for one in sources], data_args,
+                           training_args.dataset_text_field, tokenizer,
+                           assistant_only_loss=training_args.assistant_only_loss, seed=training_args.seed)
     tokenize(data, tokenizer, training_args, sharing)
     if save_copy(data, key) and (saved := load_copy(key)):
         data = saved  # read back: the trainer's cuts and packing are then cached beside the copy, for every rank

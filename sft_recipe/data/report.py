@@ -51,6 +51,19 @@ class SplitReport:
 
 
 @dataclass
+class SourceReport:
+    """One source of a mixture (several --dataset_name sources): what was read of it and what the mixture took."""
+
+    name: str
+    format: str
+    rows_read: int  # its training rows, malformed lines included
+    rows_dropped: int  # by --drop_bad_rows
+    train_rows: int  # taken into the mixed training rows (--dataset_proportions)
+    train_share: float  # of the mixed training rows, before --eval_split_size
+    test_rows: int | None  # its test split, mixed whole
+
+
+@dataclass
 class DataReport:
     max_length: int | None
     packing: bool
@@ -60,13 +73,16 @@ class DataReport:
     splits: dict[str, SplitReport]
     warnings: list[str] = field(default_factory=list)
     trainer_check: dict | None = None  # the trainer's own token and loss-token counts for the train split
+    sources: list[SourceReport] | None = None  # a mixture's sources, in --dataset_name order
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
     @classmethod
     def from_dict(cls, fields: dict) -> DataReport:
-        return cls(**{**fields, "splits": {role: SplitReport(**s) for role, s in fields["splits"].items()}})
+        sources = [SourceReport(**s) for s in fields["sources"]] if fields.get("sources") else None
+        return cls(**{**fields, "splits": {role: SplitReport(**s) for role, s in fields["splits"].items()},
+                      "sources": sources})
 
     def render(self, output_dir: str | None = None) -> str:
         where = f" (written to {Path(output_dir) / REPORT_FILE})" if output_dir else ""
@@ -77,6 +93,10 @@ class DataReport:
             held = f", held out of {s.held_out_of}" if s.held_out_of else ""
             lines.append(f"  {role}: {s.rows} rows ({s.format}, {s.rows_dropped} dropped{held}) | tokens per example "
                          f"min {s.tokens_min} / median {s.tokens_median:g} / max {s.tokens_max} | {cut}")
+        for source in self.sources or []:
+            lines.append(f"  source {source.name}: {source.train_rows} of {source.rows_read} train rows "
+                         f"({source.train_share:.1%} of the mixture, {source.format}, {source.rows_dropped} dropped)"
+                         + (f", {source.test_rows} test rows" if source.test_rows is not None else ""))
         train = self.splits.get("train")
         if train:
             packing = (f"packing ({self.packing_strategy}): {train.packed_rows} rows, "
@@ -261,7 +281,8 @@ def measure(prepared, tokenizer, training_args) -> DataReport:
     report = DataReport(max_length=training_args.max_length, packing=bool(training_args.packing),
                         packing_strategy=training_args.packing_strategy if training_args.packing else None,
                         truncation_mode=training_args.truncation_mode, cut_warning_share=CUT_WARNING_SHARE,
-                        splits=splits)
+                        splits=splits,
+                        sources=[SourceReport(**s) for s in prepared.mixture] if prepared.mixture else None)
     report.warnings = _warnings(report)
     return report
 

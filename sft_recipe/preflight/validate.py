@@ -11,7 +11,7 @@ from sft_recipe.compat.cpu_module_sync import fsdp1_module_sync_allowed_on_cpu
 from sft_recipe.config.args import DataTrainingArguments, ModelArguments, RecipeArguments
 from sft_recipe.config.launch_env import LaunchEnv, read_launch_env
 from sft_recipe.config.optional_deps import bitsandbytes_optimizers, optional_dependency_problems
-from sft_recipe.data.prepare import locate_splits
+from sft_recipe.data.mixture import mixture_problems
 from sft_recipe.errors import ConfigError
 from sft_recipe.model.shape import DTYPES, linear_module_names, module_names
 from sft_recipe.model.structure import parse_target_modules
@@ -337,7 +337,7 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,
     problems += _deepspeed_env_problems(m, t, launch)
     problems += optional_dependency_problems(m, t, launch)  # every optional package a setting implies
     problems += trainer_problems(m, t, launch)  # what Trainer/SFTTrainer/accelerate refuse after loading
-    problems += locate_splits(d)[1]
+    problems += mixture_problems(d)  # each --dataset_name source located, and the proportions
     local_model = Path(m.model_name_or_path)
     if not m.model_name_or_path:
         problems.append("--model_name_or_path is required: the base model to fine-tune. Fix: a Hub id (the guide's: "

@@ -1,7 +1,8 @@
 """Each data format through the real train.py: recognised with no flag, trained end to end on the tiny model with
-the adapter verified, and what was trained recorded (data_report.json, the trainer's own counts). One run each
-under FSDP2 and FSDP1 through `accelerate launch`. A bad file and the preview stop before any weight is loaded: the
-model folder they are given has no weights at all."""
+the adapter verified, and what was trained recorded (data_report.json, the trainer's own counts). Alpaca and
+conversational prompt/completion train as one mixture of two sources (`--dataset_name a,b`), on one process and,
+with proportions, under FSDP2; prompt/completion under FSDP1, through `accelerate launch`. A bad file and the preview
+stop before any weight is loaded: the model folder they are given has no weights at all."""
 
 from __future__ import annotations
 
@@ -17,9 +18,14 @@ from tests.helpers import REPO, launch_train, run_command
 FLAGS = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "all-linear",
          "--max_steps", "2", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--report_to", "none",
          "--save_strategy", "no", "--eval_strategy", "no", "--max_seq_len", "128", "--seed", "3"]
-# format folder -> (format detected, loss on the answers only)
-CASES = {"sharegpt": ("sharegpt", False), "alpaca": ("alpaca", True),
-         "prompt_completion": ("prompt_completion", True), "prompt_completion_chat": ("prompt_completion", True)}
+# format folders (several: one mixture) -> (formats detected, the report's format, loss on the answers only)
+CASES = {"sharegpt": (["sharegpt"], "sharegpt", False),
+         "alpaca+prompt_completion_chat": (["alpaca", "prompt_completion"], "alpaca+prompt_completion", True),
+         "prompt_completion": (["prompt_completion"], "prompt_completion", True)}
+
+
+def _dataset_name(format_datasets, case: str) -> str:
+    return ",".join(str(format_datasets[part]) for part in case.split("+"))
 
 
 def _train(tiny, dataset_dir, out, *extra):
@@ -39,19 +45,22 @@ def _answer_tokens(tiny) -> int:
                for c in load_conversations(tiny, "train"))
 
 
-def _assert_trained(result, fmt: str, answers_only: bool, answer_tokens: int):
+def _assert_trained(result, case: str, answer_tokens: int | None, rows: int = 240):
+    """`answer_tokens`: what the loss must count (every answer of the rows trained), None: every token."""
+    detected, fmt, answers_only = CASES[case]
     assert result.returncode == 0, result.output[-4000:]
-    assert f"format '{fmt}' detected" in result.output and "data report" in result.output
+    assert all(f"format '{one}' detected" in result.output for one in detected) and "data report" in result.output
     assert "adapter check OK" in result.output
     with safe_open(str(result.output_dir / "adapter_model.safetensors"), "pt") as f:
         assert sum("lora_" in k for k in f.keys()) == 28
     report = json.loads((result.output_dir / "data_report.json").read_text())
     train = report["splits"]["train"]
-    assert train["format"] == fmt and train["rows"] == 240 and train["rows_dropped"] == 0
+    assert train["format"] == fmt and train["rows"] == rows and train["rows_dropped"] == 0
     check = report["trainer_check"]  # counted on the trainer's own prepared dataset
     assert check["matches_prediction"] and check["loss_tokens"] == train["loss_tokens"]
     if answers_only:
-        assert train["loss_tokens"] == answer_tokens and 0.1 < train["loss_token_share"] < 0.6
+        assert (answer_tokens is None or train["loss_tokens"] == answer_tokens) and \
+            0.1 < train["loss_token_share"] < 0.6
     else:
         assert train["loss_token_share"] == 1.0
     return report
@@ -59,20 +68,30 @@ def _assert_trained(result, fmt: str, answers_only: bool, answer_tokens: int):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_format_trains_end_to_end(tiny, format_datasets, tmp_path, case):
-    fmt, answers_only = CASES[case]
-    result = _train(tiny, format_datasets[case], tmp_path / case, "--packing", "True")
-    report = _assert_trained(result, fmt, answers_only, _answer_tokens(tiny))
+    sources = case.split("+")
+    result = _train(tiny, _dataset_name(format_datasets, case), tmp_path / "out", "--packing", "True")
+    # the same 240 conversations in each source: a mixture of two trains 480 rows, every answer twice
+    answers = _answer_tokens(tiny) * len(sources) if CASES[case][2] else None
+    report = _assert_trained(result, case, answers, rows=240 * len(sources))
     assert report["packing"] and 0.5 < report["splits"]["train"]["packing_efficiency"] <= 1
+    if len(sources) > 1:
+        assert [(s["name"], s["train_rows"], s["test_rows"]) for s in report["sources"]] == [
+            (str(format_datasets[part]), 240, 40) for part in sources]
+        assert report["splits"]["test"]["rows"] == 80
 
 
-@pytest.mark.parametrize("config,case,version", [("cpu/fsdp2_config.yaml", "alpaca", 2),
+@pytest.mark.parametrize("config,case,version", [("cpu/fsdp2_config.yaml", "alpaca+prompt_completion_chat", 2),
                                                 ("cpu/fsdp_config.yaml", "prompt_completion", 1)])
 def test_answer_only_formats_under_fsdp_train_the_answers_only(tiny, format_datasets, tmp_path, config, case, version):
-    out = tmp_path / case
+    out = tmp_path / "out"
+    mixed = "+" in case  # 3:1 of two sources of 240 rows: 320 rows (all of the first, 80 of the second)
     result = launch_train(config, out, [
-        "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(format_datasets[case]), *FLAGS,
-        "--packing", "False"])
-    _assert_trained(result, CASES[case][0], True, _answer_tokens(tiny))
+        "--model_name_or_path", str(tiny.model_dir), "--dataset_name", _dataset_name(format_datasets, case), *FLAGS,
+        "--packing", "False", *(["--dataset_proportions", "3,1"] if mixed else [])])
+    report = _assert_trained(result, case, None if mixed else _answer_tokens(tiny), rows=320 if mixed else 240)
+    if mixed:  # every answer of the first source and those of the 80 rows taken of the second
+        assert _answer_tokens(tiny) < report["splits"]["train"]["loss_tokens"] < 2 * _answer_tokens(tiny)
+        assert [(s["train_rows"], s["train_share"]) for s in report["sources"]] == [(240, 0.75), (80, 0.25)]
     facts = result.record
     how = facts["distribution"]
     assert how["fsdp_version"] == version and how["num_processes"] == 2 and how["fsdp_modules"] > 0  # real FSDP

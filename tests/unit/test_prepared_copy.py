@@ -16,6 +16,7 @@ from sft_recipe.config.args import parse_args
 from sft_recipe.config.launch_env import LaunchEnv
 from sft_recipe.data import prepared_copy as pc
 from sft_recipe.data import report as data_report
+from sft_recipe.data.prepare import prepare
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +55,7 @@ def test_trl_preparation_still_orders_ranks(tiny, tmp_path, monkeypatch):
 
     m, d, _, t = _args(tiny, tmp_path / "out")
     tokenizer = _tokenizer(m)
-    rows = pc.prepare(pc.read_splits(d), d, t.dataset_text_field, tokenizer).datasets["train"]
+    rows = prepare(pc.read_splits(d), d, t.dataset_text_field, tokenizer).datasets["train"]
 
     def barrier(self):
         raise AssertionError("waited for every rank")
@@ -76,7 +77,7 @@ def test_the_trainer_cuts_or_packs_the_tokenized_rows_as_it_would_the_raw_rows_w
 
     m, d, _, t = _args(tiny, tmp_path / "out", "--max_seq_len", "24", *flags)  # some examples are cut
     tokenizer = _tokenizer(m)
-    data = pc.prepare(pc.read_splits(d), d, t.dataset_text_field, tokenizer,
+    data = prepare(pc.read_splits(d), d, t.dataset_text_field, tokenizer,
                       assistant_only_loss=t.assistant_only_loss)
     from_rows = _trainer(tiny, tokenizer, data.datasets["train"], t).train_dataset
     data, _ = pc.prepare_here(d, t, tokenizer)  # as train.py gets it: the copy, read back
@@ -159,7 +160,7 @@ def test_a_copy_that_cannot_be_written_leaves_the_run_going_and_nothing_half_wri
 def test_the_report_is_the_same_read_a_few_rows_at_a_time(tiny, tmp_path, monkeypatch):
     m, d, _, t = _args(tiny, tmp_path / "out", "--packing", "False", "--max_seq_len", "24")
     tokenizer = _tokenizer(m)
-    data = pc.tokenize(pc.prepare(pc.read_splits(d), d, t.dataset_text_field, tokenizer), tokenizer, t)
+    data = pc.tokenize(prepare(pc.read_splits(d), d, t.dataset_text_field, tokenizer), tokenizer, t)
     assert data.tokenized["train"].cache_files  # read from its Arrow files as a stream, batch by batch
     whole = data_report.measure(data, tokenizer, t)
     from datasets import Dataset
@@ -233,7 +234,7 @@ def test_the_copy_links_the_files_tokenizing_wrote_and_reads_back_the_same_rows(
     m, d, _, t = parse_args(["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tmp_path / "data"),
                              "--output_dir", str(tmp_path / "out"), "--chat_template_format", "chatml"], LaunchEnv())
     tokenizer = _tokenizer(m)
-    data = pc.prepare(pc.read_splits(d), d, t.dataset_text_field, tokenizer)
+    data = prepare(pc.read_splits(d), d, t.dataset_text_field, tokenizer)
     data.tokenized = {role: data_report.tokenize_like_trl(ds, tokenizer, t, num_proc=processes, name=role)
                       for role, ds in data.datasets.items()}
     written = [f["filename"] for f in data.tokenized["train"].cache_files]
@@ -252,7 +253,7 @@ def test_two_launches_saving_the_same_copy_keep_one_and_ctrl_c_while_saving_leav
                                                                                             monkeypatch):
     m, d, _, t = _args(tiny, tmp_path / "out")
     tokenizer = _tokenizer(m)
-    data = pc.tokenize(pc.prepare(pc.read_splits(d), d, t.dataset_text_field, tokenizer), tokenizer, t)
+    data = pc.tokenize(prepare(pc.read_splits(d), d, t.dataset_text_field, tokenizer), tokenizer, t)
     assert pc.save_copy(data, "k")
     first = (pc.copy_root() / "k" / pc.META_FILE).stat().st_ino
     assert pc.save_copy(data, "k")  # a second launch finishing later: the first copy stays, no warning, no leftover
