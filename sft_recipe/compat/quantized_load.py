@@ -46,7 +46,7 @@ def quantized_base_device_map(model_args, launch) -> dict[str, str] | None:
 def quantize_each_weight_on(device):
     """While a 4-bit base loads onto the CPU (`CPU_DEVICE_MAP`): quantize each weight on `device` (this rank's GPU)
     and bring the packed result back to the CPU, one weight at a time. `device` None: nothing changes (a CPU run;
-    a CPU `device` runs the same moves, which are no-ops there: how the tests exercise this on CPU machines).
+    the tests run it on a device of real, recorded copies: tests/recording_device.py).
 
     Why: the CPU map above puts the quantization on bitsandbytes' CPU backend, ~35 M weights/s per thread (a 70B:
     ~33 min on one thread), where transformers 4.4x quantized each weight on the rank's GPU as it was read and moved

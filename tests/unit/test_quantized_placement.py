@@ -19,6 +19,7 @@ from sft_recipe.config.args import ModelArguments
 from sft_recipe.config.launch_env import LaunchEnv
 from sft_recipe.train import model as model_module
 from sft_recipe.train.model import bnb_config, quantization_threads
+from tests.recording_device import RecordingDevice
 
 FSDP1 = LaunchEnv(rank=1, local_rank=1, world_size=2, use_fsdp=True, fsdp_version=1,
                   fsdp_cpu_ram_efficient_loading=True, fsdp_sync_module_states=True)
@@ -173,13 +174,31 @@ def quantizable_model(tiny, tmp_path_factory):
     return build
 
 
+def test_the_recording_device_copies_each_move_and_refuses_a_mixed_call():
+    """The device the next test runs on: a move is a copy, marked until it comes back, and a call mixing the device
+    with the CPU fails as on CUDA (what a move the wrapper forgot would do)."""
+    device = RecordingDevice()
+    x = torch.ones(4, 4)
+    with device:
+        there = x.to(device.device)
+        assert there.device == device.device and there is not x and device.marked(there) and not device.marked(x)
+        doubled = there * 2
+        assert device.marked(doubled) and doubled.device == device.device
+        with pytest.raises(RuntimeError, match="tensors on privateuseone:0 and on the CPU in one call"):
+            doubled + x
+        back = doubled.to("cpu")
+        assert not device.marked(back) and back.device.type == "cpu" and torch.equal(back, x * 2)
+    assert (device.to_device, device.to_cpu) == ([(4, 4)], [(4, 4)])
+
+
 @pytest.mark.parametrize("name", ["llama-demo", "qwen2", "mixtral", "deepseek-v3", "gemma3", "gpt-neox",
                                   "gpt2-conv1d"])
 def test_each_weight_quantized_on_a_device_comes_back_as_the_cpu_load(quantizable_model, name):
-    """compat.quantize_each_weight_on, run on the CPU (its moves are no-ops here; bench/gpu_check.sh's qlora vs
-    qlora-cpuquant rows run it on a GPU): transformers' convert is handed each weight on the device, one at a time,
-    and what comes back is the plain CPU load byte for byte -- packed weights and every quantization-state tensor,
-    on the CPU, with the layer's own state the weight's -- and the model computes the same logits."""
+    """compat.quantize_each_weight_on, on a device whose moves are real copies (tests/recording_device.py; the GPU
+    check's qlora vs qlora-cpuquant rows run it on CUDA): transformers' convert is handed each weight on the device,
+    one at a time, bitsandbytes quantizes it there, and what comes back is on the CPU -- packed weight and every
+    quantization-state tensor copied back, none left on the device, the layer's own state the weight's -- and byte
+    for byte the plain CPU load, computing the same logits."""
     from bitsandbytes.nn import Params4bit
     from transformers import AutoModelForCausalLM
     from transformers.integrations.bitsandbytes import Bnb4bitQuantize
@@ -196,23 +215,33 @@ def test_each_weight_quantized_on_a_device_comes_back_as_the_cpu_load(quantizabl
     reference = load()
     original = Bnb4bitQuantize.convert
     calls = []
+    device = RecordingDevice()
 
     def counting(self, input_dict, *args, **kwargs):
         calls.append({key: (v[0] if isinstance(v, list) else v).device for key, v in input_dict.items()})
-        return original(self, input_dict, *args, **kwargs)
+        out = original(self, input_dict, *args, **kwargs)
+        calls[-1]["quantized there"] = all(device.marked(p) and device.marked(p.quant_state.absmax)
+                                           for p in out.values())
+        return out
 
     Bnb4bitQuantize.convert = counting
     try:
-        with quantize_each_weight_on(torch.device("cpu")):
+        with device, quantize_each_weight_on(device.device):
             assert Bnb4bitQuantize.convert is not counting  # wrapped while loading
             model = load()
         assert Bnb4bitQuantize.convert is counting  # put back
     finally:
         Bnb4bitQuantize.convert = original
     linear4bit = [m for m in model.modules() if isinstance(getattr(m, "weight", None), Params4bit)]
-    assert len(calls) == len(linear4bit) > 0 and all(len(c) == 1 for c in calls)  # one weight per call
+    assert len(calls) == len(linear4bit) > 0 and all(len(c) == 2 for c in calls)  # one weight per call
+    assert all(c["quantized there"] and {v for k, v in c.items() if k != "quantized there"} == {device.device}
+               for c in calls)
+    # each weight went to the device once, as the checkpoint holds it (GPT-2's Conv1D: transposed after)
+    weights_moved = [shape for shape in device.to_device if len(shape) == 2]
+    assert sorted(torch.Size(s).numel() for s in weights_moved) == sorted(
+        p.quant_state.shape.numel() for p in reference.parameters() if isinstance(p, Params4bit))
     for layer in linear4bit:
-        assert layer.weight.bnb_quantized and layer.weight.device.type == "cpu"
+        assert layer.weight.bnb_quantized and layer.weight.device.type == "cpu" and not device.marked(layer.weight)
         assert layer.weight.module is layer and layer.quant_state is layer.weight.quant_state
     ours = dict(model.named_parameters())
     for key, expected in reference.named_parameters():
@@ -221,7 +250,8 @@ def test_each_weight_quantized_on_a_device_comes_back_as_the_cpu_load(quantizabl
     ours_state, reference_state = quant_state_tensors(model), quant_state_tensors(reference)
     assert len(ours_state) == len(reference_state) > len(linear4bit)
     for a, b in zip(ours_state, reference_state):
-        assert a.device.type == "cpu" and a.dtype == b.dtype and torch.equal(a, b)
+        assert a.device.type == "cpu" and not device.marked(a) and a.dtype == b.dtype and torch.equal(a, b)
+    assert len(device.to_cpu) >= len(ours_state)  # each of them came back by a copy
     # With grad (as training runs): under no_grad bitsandbytes re-lays out the packed bytes for its CPU kernel,
     # which refuses some of these tiny shapes.
     ids = torch.tensor([[1, 5, 9, 12, 3]])
