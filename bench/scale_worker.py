@@ -49,6 +49,7 @@ def main() -> None:
     from datasets import Dataset
     from transformers import TrainerCallback
 
+    import sft_recipe.train.load_plan as load_plan
     import sft_recipe.train.model as model_module
     from sft_recipe.artifacts.adapter import save_final_adapter
     from sft_recipe.config.args import parse_args
@@ -56,7 +57,7 @@ def main() -> None:
     from sft_recipe.train.trainer import RecipeSFTTrainer
 
     if args.upstream_load:  # every rank reads the weights, as transformers 5.24 does without the recipe
-        model_module.weights_arrive_from_rank0 = lambda *a, **k: False
+        load_plan.weights_arrive_from_rank0 = lambda *a, **k: False
     model_args, _, _, training_args = parse_args(train_argv)
     tokenizer = model_module.load_tokenizer(model_args)
     model = model_module.load_model(model_args, training_args, tokenizer, launch)

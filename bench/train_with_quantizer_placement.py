@@ -14,8 +14,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import sft_recipe.train.model as model_module  # noqa: E402  (after the path)
+import sft_recipe.train.load_plan as load_plan  # noqa: E402  (after the path)
 
-model_module.quantized_base_device_map = lambda model_args, launch: None
+load_plan.quantized_base_device_map = lambda model_args, launch: None
 sys.argv[0] = str(REPO / "train.py")
 runpy.run_path(str(REPO / "train.py"), run_name="__main__")

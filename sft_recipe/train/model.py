@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from sft_recipe.compat import keep_present_no_split_modules, quantize_each_weight_on, quantized_base_device_map
+from sft_recipe.compat import keep_present_no_split_modules, quantize_each_weight_on
 from sft_recipe.config.args import ModelArguments
 from sft_recipe.config.dtypes import model_dtype
 from sft_recipe.data.chat_templates import CHAT_FORMATS, PAD_TOKEN
@@ -23,7 +23,8 @@ from sft_recipe.model.architecture import (
     ties_embeddings,
 )
 from sft_recipe.model.shape import DTYPES, read_config
-from sft_recipe.train.quantized_from_rank0 import make_4bit_layers, quantized_base_from_rank0, share_quantization_state
+from sft_recipe.train.load_plan import decide_load
+from sft_recipe.train.quantized_from_rank0 import make_4bit_layers, share_quantization_state
 
 logger = logging.getLogger(__name__)
 
@@ -89,52 +90,50 @@ def flash_attn_problem() -> str | None:
 
 
 def load_model(model_args: ModelArguments, training_args, tokenizer, launch):
-    """Load the base model in the right dtype/quantization/attention, then fit its embeddings to the tokenizer.
-    `launch` (a LaunchEnv) says whether this rank reads weights at all (weights_arrive_from_rank0)."""
-    from transformers import AutoModelForCausalLM
-
-    once = quantized_base_from_rank0(model_args, launch)  # FSDP1 QLoRA: rank 0 alone reads the 4-bit base
-    if weights_arrive_from_rank0(model_args, launch, training_args.trust_remote_code) or (once and launch.rank):
+    """Load the base model in the right dtype/quantization/attention, then fit its embeddings to the tokenizer, as
+    `decide_load` says this rank takes part (reads the weights or builds the model without them; where a quantized
+    base goes and is quantized; whether rank 0's 4-bit state is shared)."""
+    plan = decide_load(model_args, launch, training_args.trust_remote_code)
+    if plan.reads_weights:
+        started = time.perf_counter()
+        with (cpu_quantization_threads(launch, plan.quantizes_on_cpu, plan.sole_loader) as threads,
+              quantize_each_weight_on(plan.quantize_on)):
+            model = read_base(model_args, training_args, plan.device_map)
+        seconds = time.perf_counter() - started
+    else:
         model = model_without_weights(model_args, training_args.trust_remote_code)
-        if once:  # the same Linear4bit layers, their quantization state from rank 0, packed weights at wrapping
+        if plan.builds_4bit_layers:  # the same Linear4bit layers; packed weights arrive when FSDP1 wraps them
             make_4bit_layers(model, bnb_config(model_args))
-            share_quantization_state(model, launch, training_device(launch))
-        fit_embeddings_to_tokenizer(model, tokenizer)
-        keep_present_no_split_modules(model)  # what FSDP wraps: the layer classes this model has
-        return model
-    # quantization_config only when quantizing here: transformers 5.24 treats an explicit None as "load unquantized",
-    # so a pre-quantized (GPTQ) checkpoint would load as plain Linear layers with random weights, no error.
-    from sft_recipe.train.gptq import loading_kwargs
-
-    quantization = bnb_config(model_args)
-    # A quantized base under FSDP loads onto the CPU, not whole onto each GPU (compat.quantized_base_device_map).
-    device_map = quantized_base_device_map(model_args, launch) if quantization is not None else None
-    # ...each weight quantized on this rank's GPU where it has one (compat.quantize_each_weight_on), else on the CPU.
-    quantize_on = weight_quantization_device(model_args, launch, device_map)
-    started = time.perf_counter()
-    with (cpu_quantization_threads(launch, enabled=device_map is not None and quantize_on is None,
-                                   sole_loader=once) as threads,
-          quantize_each_weight_on(quantize_on)):
-        model = AutoModelForCausalLM.from_pretrained(
-            model_args.model_name_or_path,
-            **({"quantization_config": quantization} if quantization is not None else
-               loading_kwargs(model_args, training_args.trust_remote_code)),
-            **({"device_map": device_map} if device_map is not None else {}),
-            **attention_kwargs(model_args),
-            dtype=model_dtype(model_args),
-            trust_remote_code=training_args.trust_remote_code,
-        )
-    seconds = time.perf_counter() - started
-    shared = share_quantization_state(model, launch, training_device(launch)) if once else None
-    if launch.is_main_process:
+    shared = share_quantization_state(model, launch, plan.training_device) if plan.shares_4bit_state else None
+    if plan.reads_weights and launch.is_main_process:
         logger.info(attention_note(model))
-        if device_map is not None:
-            quantized_by = (f"quantized on {quantize_on}, a weight at a time" if quantize_on is not None else
-                            f"quantized on the CPU, {threads} thread{'s' if threads > 1 else ''}")
+        if plan.device_map is not None:
+            quantized_by = (f"quantized on {plan.quantize_on}, a weight at a time" if plan.quantize_on is not None
+                            else f"quantized on the CPU, {threads} thread{'s' if threads > 1 else ''}")
             logger.info(quantized_load_note(model, launch, seconds, quantized_by, shared))
     fit_embeddings_to_tokenizer(model, tokenizer)
     keep_present_no_split_modules(model)  # what FSDP wraps: the layer classes this model has
     return model
+
+
+def read_base(model_args: ModelArguments, training_args, device_map: dict | None):
+    """`from_pretrained` of the base: quantized by the flags, else as the checkpoint says (GPTQ), in `device_map`."""
+    from transformers import AutoModelForCausalLM
+
+    from sft_recipe.train.gptq import loading_kwargs
+
+    # quantization_config only when quantizing here: transformers 5.24 treats an explicit None as "load unquantized",
+    # so a pre-quantized (GPTQ) checkpoint would load as plain Linear layers with random weights, no error.
+    quantization = bnb_config(model_args)
+    return AutoModelForCausalLM.from_pretrained(
+        model_args.model_name_or_path,
+        **({"quantization_config": quantization} if quantization is not None else
+           loading_kwargs(model_args, training_args.trust_remote_code)),
+        **({"device_map": device_map} if device_map is not None else {}),
+        **attention_kwargs(model_args),
+        dtype=model_dtype(model_args),
+        trust_remote_code=training_args.trust_remote_code,
+    )
 
 
 def quantization_threads(launch, available_cpus: int, current_threads: int, sole_loader: bool = False) -> int:
@@ -144,23 +143,6 @@ def quantization_threads(launch, available_cpus: int, current_threads: int, sole
     hour per rank (~35 M weights/s per thread, measured with bitsandbytes 0.50.2)."""
     ranks_here = 1 if sole_loader else launch.local_world_size or launch.world_size or 1
     return max(current_threads, available_cpus // max(1, ranks_here), 1)
-
-
-def weight_quantization_device(model_args: ModelArguments, launch, device_map) -> torch.device | None:
-    """Where each 4-bit weight of a base that loads onto the CPU (`device_map`, compat.quantized_base_device_map) is
-    quantized: this rank's GPU when it trains on one (seconds for a 70B, where the CPU takes minutes), None for
-    bitsandbytes' CPU backend (a CPU run). 8-bit is left alone: it is refused under FSDP."""
-    if device_map is None or not model_args.use_4bit_quantization:
-        return None
-    device = training_device(launch)
-    return device if device.type == "cuda" else None
-
-
-def training_device(launch) -> torch.device:
-    """Where this rank's layers compute once wrapped: its GPU, or the CPU on a CPU run."""
-    if launch.use_cpu or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 @contextlib.contextmanager
@@ -195,25 +177,6 @@ def quantized_load_note(model, launch, seconds: float, quantized_by: str, shared
            else "without fsdp_cpu_ram_efficient_loading FSDP1 syncs nothing from rank 0")
     return (f"{head} Each of the {ranks} ranks on this machine holds its own copy ({ranks * mib / 1024:,.2f} GiB of "
             f"host RAM) until FSDP shards it: {why}, so every rank quantizes the base itself.{tail}")
-
-
-def weights_arrive_from_rank0(model_args: ModelArguments, launch, trust_remote_code: bool = False) -> bool:
-    """Whether this rank should build the model without reading any weight: FSDP with cpu_ram_efficient_loading,
-    on a rank other than its machine's rank 0, and a model that is not quantized.
-
-    Why here: transformers 5.24's `from_pretrained` reads every weight on every rank even with the option on (it only
-    skips re-initialising them), so an 8-GPU machine held 8 host copies of the model while loading. accelerate then
-    keeps rank 0's weights and broadcasts them into the others' shards when it wraps the model (FSDP2:
-    `fsdp2_load_full_state_dict`; FSDP1: `sync_module_states` with a meta `param_init_fn`), so the other ranks only
-    need the architecture. Quantized models are excluded: their 4-bit layers carry quantization state that is not
-    part of what accelerate broadcasts (FSDP1 4-bit bases come from rank 0 another way: quantized_from_rank0).
-    """
-    if not launch.cpu_ram_efficient_loading or launch.local_rank == 0:
-        return False
-    if model_args.use_4bit_quantization or model_args.use_8bit_quantization:
-        return False
-    config = read_config(model_args.model_name_or_path, trust_remote_code)
-    return getattr(config, "quantization_config", None) is None  # pre-quantized checkpoints (GPTQ) load as usual
 
 
 def model_without_weights(model_args: ModelArguments, trust_remote_code: bool = False):

@@ -32,14 +32,6 @@ logger = logging.getLogger(__name__)
 BATCH_BYTES = 256 * 2**20
 
 
-def quantized_base_from_rank0(model_args, launch) -> bool:
-    """Whether this run loads its 4-bit base once, on rank 0 (every rank gets the same answer)."""
-    from sft_recipe.config.launch_env import loads_4bit_base_once
-
-    return loads_4bit_base_once(bool(model_args.use_4bit_quantization), launch.fsdp_version,
-                                launch.cpu_ram_efficient_loading, launch.world_size)
-
-
 def make_4bit_layers(model, quantization_config) -> None:
     """Turn a weightless model (sft_recipe.train.model.model_without_weights) into the 4-bit model rank 0 loaded:
     transformers' own quantizer swaps in bitsandbytes' Linear4bit for the same modules it converts while loading

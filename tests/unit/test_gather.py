@@ -8,7 +8,8 @@ import torch
 from sft_recipe.artifacts.gather import _owning_unit, adapter_state_keys
 from sft_recipe.config.args import ModelArguments
 from sft_recipe.config.launch_env import read_launch_env
-from sft_recipe.train.model import materialize_meta_parameters, model_without_weights, weights_arrive_from_rank0
+from sft_recipe.train.load_plan import weights_arrive_from_rank0
+from sft_recipe.train.model import materialize_meta_parameters, model_without_weights
 
 
 def _peft(tiny, chat_template_format="none"):

@@ -15,6 +15,7 @@ from sft_recipe.config.args import ModelArguments
 from sft_recipe.config.launch_env import LaunchEnv
 from sft_recipe.measure import quant_state_tensors, tensors_checksum
 from sft_recipe.plan.inputs import Distribution
+from sft_recipe.train.load_plan import quantized_base_from_rank0
 from sft_recipe.train.model import bnb_config, model_without_weights
 from sft_recipe.train.quantized_from_rank0 import (
     _batches,
@@ -22,7 +23,6 @@ from sft_recipe.train.quantized_from_rank0 import (
     layout,
     layout_differences,
     make_4bit_layers,
-    quantized_base_from_rank0,
 )
 
 

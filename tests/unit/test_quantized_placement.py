@@ -18,6 +18,7 @@ from sft_recipe.compat.quantized_load import CPU_DEVICE_MAP
 from sft_recipe.config.args import ModelArguments
 from sft_recipe.config.launch_env import LaunchEnv
 from sft_recipe.train import model as model_module
+from sft_recipe.train.load_plan import decide_load
 from sft_recipe.train.model import bnb_config, quantization_threads
 from tests.recording_device import RecordingDevice
 
@@ -144,9 +145,11 @@ def test_load_model_asks_from_pretrained_for_the_decided_placement(monkeypatch, 
     assert seen["threads"] == (max(before, threads) if threads else before)  # of 16 CPUs, 2 ranks on the machine
     assert seen["wrapped"] is quantized_on_gpu
     assert torch.get_num_threads() == before and Bnb4bitQuantize.convert is convert  # put back, even when it fails
-    device_map = expected
-    assert model_module.weight_quantization_device(qlora_args(), launch, device_map) == \
-        (torch.device("cuda", 3) if quantized_on_gpu else None)
+    plan = decide_load(qlora_args(str(tiny.model_dir)), launch)  # what load_model followed
+    assert plan.device_map == expected and plan.reads_weights
+    assert plan.quantize_on == (torch.device("cuda", 3) if quantized_on_gpu else None)
+    assert plan.quantizes_on_cpu is bool(threads) and plan.sole_loader is (launch.fsdp_version == 1 and
+                                                                           launch.cpu_ram_efficient_loading)
 
 
 @pytest.fixture(scope="module")
