@@ -98,9 +98,10 @@ def copy_root() -> Path:
     return Path(datasets.config.HF_DATASETS_CACHE) / PREPARED_DIR
 
 
-def load_copy(key: str) -> PreparedData | None:
-    """The copy prepared under `key`, else None (none yet, or unreadable: then it is prepared again)."""
-    folder = copy_root() / key
+def load_copy(key: str, folder: Path | None = None) -> PreparedData | None:
+    """The copy prepared under `key` (in `folder`, else in copy_root()), else None (none yet, or unreadable: then it
+    is prepared again)."""
+    folder = copy_root() / key if folder is None else folder
     try:
         meta = json.loads((folder / META_FILE).read_text())
         if meta.get("key") != key:
@@ -254,16 +255,17 @@ def _cache_unwritable(error: BaseException) -> bool:
                                       for e in error_chain(error))
 
 
-def prepare_here(data_args: DataTrainingArguments, training_args, tokenizer, sharing: int = 1) \
-        -> tuple[PreparedData, bool]:
+def prepare_here(data_args: DataTrainingArguments, training_args, tokenizer, sharing: int = 1,
+                 peer_copy: str | None = None) -> tuple[PreparedData, bool]:
     """(the data, whether it was read from a copy): the copy under its key, or read, checked, converted,
     tokenized and saved. Where datasets cannot write its cache (a full disk, a home quota, a read-only folder),
     the data is prepared again in a temporary cache for this launch alone, with one warning naming the folder;
-    nothing is kept for the next launch then."""
+    nothing is kept for the next launch then. `peer_copy`: the folder where this machine's first rank kept the copy
+    (its temporary cache, when datasets' cannot be written), read when this rank finds none of its own."""
     import datasets
 
     try:
-        return _prepare_here(data_args, training_args, tokenizer, sharing)
+        return _prepare_here(data_args, training_args, tokenizer, sharing, peer_copy)
     except Exception as e:  # noqa: BLE001 -- only an unwritable cache is handled; anything else is raised as it was
         if not _cache_unwritable(e):
             raise
@@ -284,8 +286,8 @@ def prepare_here(data_args: DataTrainingArguments, training_args, tokenizer, sha
                       str(temporary / PREPARED_DIR)) from e
 
 
-def _prepare_here(data_args: DataTrainingArguments, training_args, tokenizer, sharing: int = 1) \
-        -> tuple[PreparedData, bool]:
+def _prepare_here(data_args: DataTrainingArguments, training_args, tokenizer, sharing: int = 1,
+                  peer_copy: str | None = None) -> tuple[PreparedData, bool]:
     loaded = None
     hub = None
     sources = source_args(data_args)  # one per --dataset_name source
@@ -295,6 +297,8 @@ def _prepare_here(data_args: DataTrainingArguments, training_args, tokenizer, sh
                for n, one in enumerate(loaded) for role, ds in one.datasets.items()}
     key = preparation_key(data_args, training_args, tokenizer, hub)
     if (copy := load_copy(key)) is not None:
+        return copy, True
+    if peer_copy and Path(peer_copy).name == key and (copy := load_copy(key, Path(peer_copy))) is not None:
         return copy, True
     data = prepare_sources(loaded or [read_splits(one) for one in sources], data_args,
                            training_args.dataset_text_field, tokenizer,
@@ -308,15 +312,17 @@ def _prepare_here(data_args: DataTrainingArguments, training_args, tokenizer, sh
 def prepare_data(data_args: DataTrainingArguments, training_args, tokenizer, launch) -> PreparedData:
     """The data for this launch, prepared by one process per machine (see the module's docstring). Its
     `preparation` says which ranks prepared it and which read a copy, for the log and the run record."""
-    def work():
+    def work(told: list):
         start = time.perf_counter()
-        # The ranks after a machine's first prepare at the same time when no copy could be kept: each takes its
-        # share of the machine's CPUs, not all of them.
+        # The other ranks of a machine read the copy its first rank kept, in datasets' cache or, where that could
+        # not be written, in its temporary one (told: each rank's copy folder); only where it could keep none do
+        # they prepare, at the same time, each with its share of the machine's CPUs.
+        local_main = told[launch.rank - launch.local_rank] if launch.local_rank else None
         sharing = max(1, (launch.local_world_size or 1) - 1) if launch.local_rank != 0 else 1
-        data, reused = prepare_here(data_args, training_args, tokenizer, sharing)
+        data, reused = prepare_here(data_args, training_args, tokenizer, sharing, peer_copy=local_main)
         return data, ("read" if reused else "prepared", round(time.perf_counter() - start, 2))
 
-    data, mine = in_rank_order(work, launch)
+    data, mine = in_rank_order(work, launch, tell=lambda result: result[0].copy_dir)
     everyone = _gather(mine)
     data.preparation = {
         "prepared_on_ranks": [rank for rank, (action, _) in enumerate(everyone) if action == "prepared"],
@@ -340,32 +346,36 @@ def describe(preparation: dict, where) -> str:
     return said
 
 
-def in_rank_order(work, launch):
-    """`work()` on the global main process, then on each machine's local main, then on the others; a ConfigError
-    (or any failure) where it runs first is raised on every rank, so all stop together."""
+def in_rank_order(work, launch, tell=lambda result: None):
+    """`work(told)` on the global main process, then on each machine's local main, then on the others; `told` holds,
+    by rank, what `tell(result)` gave on the ranks whose turn came before (None elsewhere). A ConfigError (or any
+    failure) where it runs first is raised on every rank, so all stop together."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return work()
+        return work([None])
     turns = (launch.rank == 0, launch.local_rank == 0 and launch.rank != 0, launch.local_rank != 0)
-    result = None
+    result, told = None, [None] * dist.get_world_size()
     for mine in turns:
         outcome = None
         if mine:
             try:
-                result = work()
+                result = work(told)
+                outcome = ("told", tell(result))
             except ConfigError as e:
                 outcome = ("config", e.problems)
             except Exception as e:  # noqa: BLE001 -- told to the others, then raised here
                 outcome = ("failed", f"{type(e).__name__}: {e}")
-                _tell(outcome)
+                _gather(outcome)
                 raise
-        told = _tell(outcome)
-        if told is not None:
-            kind, what = told
+        outcomes = _gather(outcome)
+        failure = next((o for o in outcomes if o is not None and o[0] != "told"), None)
+        if failure is not None:
+            kind, what = failure
             if kind == "config":
                 raise ConfigError(what)
             raise ConfigError([f"the data could not be prepared on another rank ({what}); its log says more."])
+        told = [o[1] if o is not None else before for o, before in zip(outcomes, told)]
     return result
 
 
@@ -378,12 +388,3 @@ def _gather(value) -> list:
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return values
-
-
-def _tell(outcome):
-    """Every rank's outcome of this turn gathered; the first failure, or None."""
-    import torch.distributed as dist
-
-    outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, outcome)
-    return next((o for o in outcomes if o is not None), None)

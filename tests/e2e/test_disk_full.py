@@ -146,9 +146,10 @@ def test_fsdp2_ranks_end_together_when_only_one_ranks_write_fails(tiny, tmp_path
 
 
 def test_a_full_datasets_cache_trains_on_without_the_copy(tiny, tmp_path):
-    """HF_DATASETS_CACHE on a 1 MiB filesystem (a cluster home quota) and 4,000 rows: datasets cannot write its
-    cache. The run trains on in a temporary cache with one warning naming that folder and HF_DATASETS_CACHE; it used
-    to exit 74 naming the project folder's free space."""
+    """HF_DATASETS_CACHE on a 1 MiB filesystem (a cluster home quota) and 4,000 rows, two FSDP2 ranks: datasets
+    cannot write its cache. The run trains on in a temporary cache with one warning naming that folder and
+    HF_DATASETS_CACHE (it used to exit 74 naming the project folder's free space), and rank 1 reads what rank 0
+    prepared there (it used to prepare the data again, at the same time as any other rank of the machine)."""
     data = tmp_path / "data"
     data.mkdir()
     rows = (tiny.jsonl_dir / "train.jsonl").read_text().splitlines()
@@ -157,9 +158,10 @@ def test_a_full_datasets_cache_trains_on_without_the_copy(tiny, tmp_path):
     with small_filesystem(tmp_path / "cache", 2**20) as cache:
         env = launch_env()
         env["HF_DATASETS_CACHE"] = str(cache)
-        result = run_command([sys.executable, "train.py", "--model_name_or_path", str(tiny.model_dir),
-                              "--dataset_name", str(data), "--output_dir", str(tmp_path / "out"), *FLAGS,
-                              "--max_steps", "2", "--save_strategy", "no"], tmp_path, env=env, timeout=300)
+        result = launch_train(FSDP2, tmp_path / "out", ["--model_name_or_path", str(tiny.model_dir),
+                                                        "--dataset_name", str(data), *FLAGS, "--max_steps", "2",
+                                                        "--save_strategy", "no"], env=env)
     assert result.returncode == 0, result.output[-4000:]
-    assert f"datasets could not write its cache in {cache}" in result.output, result.output[-4000:]
+    assert result.output.count(f"datasets could not write its cache in {cache}") == 1, result.output[-4000:]
     assert "point HF_DATASETS_CACHE at a folder with room" in result.output and "disk full" not in result.output
+    assert (result.record["data"]["prepared_on_ranks"], result.record["data"]["read_copy_on_ranks"]) == ([0], [1])
