@@ -30,6 +30,14 @@ from sft_recipe.compat.accelerate_fsdp import (
 )
 from sft_recipe.compat.cpu_module_sync import allow_fsdp1_module_sync_on_cpu, fsdp1_module_sync_allowed_on_cpu
 from sft_recipe.compat.fsdp1_dtype_units import wrap_other_dtypes_apart
+from sft_recipe.compat.fsdp2_adapters import (
+    adapter_parameters,
+    check_optimizer_covers,
+    disable_adapter_fsdp2,
+    reshard_fsdp2_units,
+    set_adapter_fsdp2,
+    set_requires_grad_fsdp2,
+)
 from sft_recipe.compat.fsdp2_buffers import load_persistent_buffers_apart
 from sft_recipe.compat.peft_embeddings import save_embedding_layers_for
 from sft_recipe.compat.peft_names import (
@@ -118,11 +126,23 @@ WORKAROUNDS: tuple[Workaround, ...] = (
                "goes with quantized_base_device_map (the CPU map it speeds up); tests/unit/"
                "test_quantized_placement.py::test_each_weight_quantized_on_a_device_comes_back_as_the_cpu_load shows "
                "it still hooks transformers' Bnb4bitQuantize.convert"),
+    Workaround("reshard_fsdp2_units", "peft", ">=0.21", "0.21.2",
+               "tests/e2e/test_fsdp2_adapters.py::test_pitfall_plain_set_adapter_after_an_eval_forward_trains_the_"
+               "lm_head_lora_once fails (PEFT reshards a gathered FSDP2 unit before it flips requires_grad)"),
+    Workaround("set_adapter_fsdp2", "peft", ">=0.21", "0.21.2",
+               "tests/e2e/test_fsdp2_adapters.py::test_pitfall_plain_set_adapter_after_an_eval_forward_trains_the_"
+               "lm_head_lora_once fails (PEFT reshards a gathered FSDP2 unit before it flips requires_grad)"),
+    Workaround("set_requires_grad_fsdp2", "peft", ">=0.21", "0.21.2",
+               "tests/e2e/test_fsdp2_adapters.py::test_pitfall_plain_set_adapter_after_an_eval_forward_trains_the_"
+               "lm_head_lora_once fails (PEFT reshards a gathered FSDP2 unit before it flips requires_grad)"),
+    Workaround("disable_adapter_fsdp2", "peft", ">=0.21", "0.21.2",
+               "tests/e2e/test_fsdp2_adapters.py::test_pitfall_plain_set_adapter_after_an_eval_forward_trains_the_"
+               "lm_head_lora_once fails (PEFT reshards a gathered FSDP2 unit before it flips requires_grad)"),
 )
 
 # Not workarounds themselves: what they are built from (used by gather.py), and what validation asks.
 HELPERS = ("skipped_imports", "strip_wrapper_segments", "fsdp1_module_sync_allowed_on_cpu",
-           "other_dtype_modules", "with_units_for")
+           "other_dtype_modules", "with_units_for", "adapter_parameters", "check_optimizer_covers")
 
 
 @dataclass(frozen=True)
@@ -200,7 +220,9 @@ def installed() -> bool:
 
 
 __all__ = [
-    "TRAINER_OVERRIDES", "WORKAROUNDS", "allow_fsdp1_module_sync_on_cpu", "enable_fsdp_on_cpu",
+    "TRAINER_OVERRIDES", "WORKAROUNDS", "adapter_parameters", "allow_fsdp1_module_sync_on_cpu",
+    "check_optimizer_covers", "disable_adapter_fsdp2", "reshard_fsdp2_units", "set_adapter_fsdp2",
+    "set_requires_grad_fsdp2", "enable_fsdp_on_cpu",
     "exit_skipping_teardown", "gather_full_state_dict",
     "fsdp1_module_sync_allowed_on_cpu", "fused_head_reads_what_it_needs", "init_optimizer_state_before_fsdp1_load",
     "install", "installed", "keep_present_no_split_modules",

@@ -23,7 +23,6 @@ from transformers import TrainerCallback
 from trl import SFTTrainer
 
 from sft_recipe import compat
-from sft_recipe.adapters_fsdp2 import reshard_fsdp2_units
 from sft_recipe.artifacts.adapter import save_final_adapter
 from sft_recipe.artifacts.checkpoints import checkpoint_layout, intact_checkpoints, mark_complete
 from sft_recipe.artifacts.disk_full import guarded_save
@@ -42,6 +41,7 @@ from sft_recipe.artifacts.state_io import (
     save_scheduler,
     unsafe_dcp_metadata,
 )
+from sft_recipe.compat import reshard_fsdp2_units
 from sft_recipe.errors import ConfigError
 from sft_recipe.measure import RssWatch, gpu_peak_gib, save_cost, unsharded_fsdp2_params, weight_mib
 from sft_recipe.train.divergence import StepHealth

@@ -51,7 +51,7 @@ def main() -> None:
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from sft_recipe.adapters_fsdp2 import (
+    from sft_recipe.compat.fsdp2_adapters import (
         adapter_parameters,
         check_optimizer_covers,
         disable_adapter_fsdp2,
@@ -244,7 +244,7 @@ def main() -> None:
     facts["plain_disable_adapter_exit"] = {"steps": steps_with_changes(model, optimizer, 2, before_eval),
                                            "requires_grad_after_steps": requires_grad(model)}
 
-    # ---- 6: the workaround (sft_recipe.adapters_fsdp2) in the same situations -------------------------------------
+    # ---- 6: the workaround (sft_recipe.compat.fsdp2_adapters) in the same situations -------------------------
     before_eval = snapshot(model)
     model.eval()
     with torch.no_grad():

@@ -15,7 +15,7 @@ peft 0.21.2 (this stack) does not do that. What holds here:
 - after a forward without backward (evaluation), a unit that does not reshard after forward (accelerate's
   [norm, lm_head] unit; the root) is still gathered: the flag change lands on the gathered copy, the next all-gather
   overwrites it, and a LoRA on lm_head trains for one step and then silently stops (pinned below);
-- the workaround, `sft_recipe.adapters_fsdp2` (reshard every unit before the PEFT call), fixes both cases;
+- the workaround, `sft_recipe.compat.fsdp2_adapters` (reshard every unit before the PEFT call), fixes both cases;
 - an adapter missing from the optimizer gets gradients but never moves (transformers' Trainer builds the optimizer
   over the parameters trainable at that moment); being frozen when wrapped is fine if it is in the optimizer.
 """
@@ -122,7 +122,7 @@ def test_disable_adapter_gives_base_logits_and_its_exit_restores_the_adapter(ran
 
 def test_pitfall_plain_set_adapter_after_an_eval_forward_trains_the_lm_head_lora_once(ranks):
     """peft 0.21.2: not what the guide describes. If this fails, check whether PEFT now reshards in set_adapter
-    (then the workaround is no longer needed; update sft_recipe/adapters_fsdp2.py and docs/guide-caveats.md)."""
+    (then the workaround is no longer needed; update sft_recipe/compat/fsdp2_adapters.py and docs/guide-caveats.md)."""
     for facts in ranks:
         sizes = facts["setup"]["params_per_group"]
         run = facts["plain_switch_while_gathered"]

@@ -1,4 +1,4 @@
-"""sft_recipe.adapters_fsdp2 without processes: the order of operations and the refusals.
+"""sft_recipe.compat.fsdp2_adapters without processes: the order of operations and the refusals.
 
 The real FSDP2 behaviour (gathered units, DTensor flags, what trains) is measured on 2 ranks in
 tests/e2e/test_fsdp2_adapters.py. Here an FSDP2 unit is stood in for by a module whose `reshard()` records what
@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from sft_recipe import adapters_fsdp2
-from sft_recipe.adapters_fsdp2 import (
+from sft_recipe.compat import fsdp2_adapters as adapters_fsdp2
+from sft_recipe.compat.fsdp2_adapters import (
     adapter_parameters,
     check_optimizer_covers,
     disable_adapter_fsdp2,

@@ -103,7 +103,7 @@ def test_the_error_type_and_the_model_shape_stand_on_the_ground_floor():
 # The floors, lowest first; a module may import its own floor or any below, never one above (a circle within a
 # floor is the test above's). Ground: what every room uses, knowing nothing of the rooms.
 FLOORS = [
-    ("ground", {"errors", "model", "atomic", "logs", "measure", "scoring", "compat", "adapters_fsdp2"}),
+    ("ground", {"errors", "model", "atomic", "logs", "measure", "scoring", "compat"}),
     ("settings", {"config"}),
     ("data", {"data"}),
     ("plan", {"plan"}),
