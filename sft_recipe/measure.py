@@ -108,7 +108,9 @@ def quant_state_tensors(model) -> list[torch.Tensor]:
 
     for module in model.modules():
         visit(getattr(module, "quant_state", None))
-        visit(getattr(getattr(module, "weight", None), "quant_state", None))
+        # the registered weight only: a module's `weight` attribute may be computed (PEFT's trainable-tokens wrapper
+        # merges its rows into the base weight on read, which fails on FSDP2's DTensor shards)
+        visit(getattr(module._parameters.get("weight"), "quant_state", None))
     return tensors
 
 

@@ -36,8 +36,7 @@ UPSTREAM = {
 }
 CPU_TWIN = "cpu/deepspeed_config.yaml"
 
-# Like tests/e2e/test_train.py; the chat template adds no tokens ("none"): PEFT's ZeRO-3 path for trainable new
-# tokens gathers them on a CUDA device only.
+# Like tests/e2e/test_train.py; the chat template adds no tokens ("none").
 TRAIN_FLAGS = ["--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0",
                "--lora_target_modules", "all-linear", "--max_steps", "8", "--per_device_train_batch_size", "4",
                "--learning_rate", "3e-3", "--logging_steps", "1", "--packing", "True", "--max_seq_len", "128",
@@ -106,8 +105,8 @@ MISTAKES = {
         {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}, "Fix: --gradient_accumulation_steps 4"),
     "ZeRO-3 without 16-bit gather": (["gloo"], {"ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "false"},
                                      "Fix: zero3_save_16bit_model: true"),
-    "new tokens on CPU": (["gloo", "--chat_template_format", "chatml", "--train_new_tokens", "True"], {},
-                          "PEFT gathers the new tokens' rows on a CUDA device only"),
+    "new tokens under ZeRO-3": (["gloo", "--chat_template_format", "chatml", "--train_new_tokens", "True"], {},
+                                "TRL 1.16's fused LM head reads the output layer's weight without calling it"),
     "QLoRA checkpoints on CPU": (["gloo", "--use_peft_lora", "True", "--use_4bit_quantization", "True",
                                  "--save_strategy", "steps"], {}, "Fix: --save_strategy no for CPU dry runs"),
 }

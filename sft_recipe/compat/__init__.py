@@ -48,6 +48,7 @@ from sft_recipe.compat.peft_names import (
 )
 from sft_recipe.compat.process import exit_skipping_teardown, restore_bnb_4bit_storage_layout
 from sft_recipe.compat.quantized_load import quantize_each_weight_on, quantized_base_device_map
+from sft_recipe.compat.trainable_tokens import merge_trainable_tokens_on_dtensor
 from sft_recipe.compat.trl_fused_head import fused_head_reads_what_it_needs
 from sft_recipe.compat.trl_prepare import without_rank_barriers
 from sft_recipe.compat.unused_bitsandbytes import skip_unused_bitsandbytes, skipped_imports
@@ -93,8 +94,14 @@ WORKAROUNDS: tuple[Workaround, ...] = (
                "tests/e2e/test_resume.py FSDP1 matches the uninterrupted run without it",
                install=lambda launch: fsdp1_checkpoint_model_io_with_clean_names() or True),
     Workaround("trainable_tokens_lm_head_bias", "trl", ">=1.16", "1.16.0",
-               "tests/e2e/test_adapter_variants.py::test_new_token_rows_train_in_one_process passes without it",
+               "tests/e2e/test_adapter_variants.py::test_new_token_rows_train_in_one_process_and_under_fsdp2 passes "
+               "without it",
                install=lambda launch: trainable_tokens_lm_head_bias() or True),
+    Workaround("merge_trainable_tokens_on_dtensor", "peft", ">=0.21", "0.21.2",
+               "tests/e2e/test_adapter_variants.py::test_new_token_rows_train_in_one_process_and_under_fsdp2 passes "
+               "without it",
+               install=lambda launch: launch.requested_fsdp_version == 2
+               and (merge_trainable_tokens_on_dtensor() or True)),
     Workaround("module_names_without_fsdp_segments", "peft", ">=0.21", "0.21.2",
                "FSDP1 runs in tests/e2e stop logging 'adapter keys needed the FSDP1 name fix'"),
     Workaround("gather_full_state_dict", "accelerate", ">=1.0", "1.15.0",
@@ -226,7 +233,7 @@ __all__ = [
     "exit_skipping_teardown", "gather_full_state_dict",
     "fsdp1_module_sync_allowed_on_cpu", "fused_head_reads_what_it_needs", "init_optimizer_state_before_fsdp1_load",
     "install", "installed", "keep_present_no_split_modules",
-    "load_persistent_buffers_apart", "wrap_other_dtypes_apart",
+    "load_persistent_buffers_apart", "wrap_other_dtypes_apart", "merge_trainable_tokens_on_dtensor",
     "module_names_without_fsdp_segments", "packing_kernel_gaps",
     "quantize_each_weight_on", "quantized_base_device_map", "save_embedding_layers_for", "without_rank_barriers",
     "restore_bnb_4bit_storage_layout", "strip_wrapper_segments", "trainable_tokens_lm_head_bias",

@@ -67,9 +67,9 @@ class ModelArguments:
     train_new_tokens: bool = field(
         default=False,
         metadata={"help": "When chatml/zephyr add tokens to the vocabulary, train their embedding and output rows "
-                          "(PEFT trainable tokens: only those rows, saved with the adapter). One process only: under "
-                          "FSDP use --lora_modules_to_save embed_tokens,lm_head with FSDP2. Without either, the new "
-                          "rows keep their random initialisation, as upstream."},
+                          "(PEFT trainable tokens: only those rows, saved with the adapter). One process or FSDP2 "
+                          "(FSDP1 and ZeRO-3 are refused, with the reason). Without it, the new rows keep their "
+                          "random initialisation, as upstream."},
     )
     use_nested_quant: bool = field(default=False, metadata={"help": "Double quantization of the 4-bit constants."})
     bnb_4bit_compute_dtype: str = field(default="float16", metadata={"help": "Compute dtype of 4-bit layers."})

@@ -94,11 +94,12 @@ def _adapter_variant_problems(m: ModelArguments, t, launch: LaunchEnv) -> list[s
                         "fails at the first step (FSDP2: \"expects uniform original parameter dtype\"; FSDP1: a "
                         "bf16/float32 matmul), also with float32 storage. Fix: DoRA without quantization under FSDP, "
                         "or QDoRA in one process.")
-    if m.train_new_tokens and fsdp_version:
-        problems.append(f"--train_new_tokens True under FSDP{fsdp_version}: PEFT's trainable tokens do not run "
-                        "sharded on this stack (FSDP1: a flat parameter mixing frozen and trainable tensors; FSDP2: "
-                        "index_copy mixes a Tensor with DTensor shards). Fix: with FSDP2, --lora_modules_to_save "
-                        "embed_tokens,lm_head (trains those modules in full); or train in one process.")
+    if m.train_new_tokens and fsdp_version == 1:
+        problems.append("--train_new_tokens True under FSDP1: PEFT keeps the new rows in a parameter of their own "
+                        "beside the frozen embedding, and FSDP1 flattens a unit's parameters into one tensor of one "
+                        "requires_grad (\"Must flatten tensors with uniform `requires_grad`\"); a unit of their own "
+                        "would never be gathered, since nothing calls it. Fix: FSDP2 (configs/fsdp2_config.yaml; "
+                        "CPU: configs/cpu/fsdp2_config.yaml), which trains just those rows, or one process.")
     if m.modules_to_save and fsdp_version == 1:
         problems.append("--lora_modules_to_save under FSDP1: TRL's fused LM head reads lm_head's weight outside "
                         "the FSDP1 unit that owns it, and saving an embed_tokens copy hangs the final gather. Fix: "
@@ -180,11 +181,13 @@ def _deepspeed_env_problems(m: ModelArguments, t, launch: LaunchEnv) -> list[str
                         "--save_strategy no for CPU dry runs (the final adapter still saves; this bitsandbytes path is "
                         "CPU-only).")
     new_tokens = getattr(m, "train_new_tokens", False) and m.chat_template_format != "none"
-    if zero_stage == "3" and not torch_cuda_count() and new_tokens:
+    if zero_stage == "3" and new_tokens:
         problems.append(f"--chat_template_format {m.chat_template_format} with --train_new_tokens True under DeepSpeed "
-                        "ZeRO-3 on CPU: PEFT gathers the new tokens' rows on a CUDA device only (\"Torch not "
-                        "compiled with CUDA enabled\"). Fix: --train_new_tokens False or --chat_template_format none "
-                        "for CPU dry runs (PEFT implements this gather for CUDA).")
+                        "ZeRO-3: TRL 1.16's fused LM head reads the output layer's weight without calling it, and "
+                        "PEFT's trainable tokens answer with the new rows merged into ZeRO-3's empty partition, not "
+                        "a gathered weight (\"'Tensor' object has no attribute 'ds_status'\" at the first step, on "
+                        "GPUs too). Fix: FSDP2 (configs/fsdp2_config.yaml), which trains just those rows, or one "
+                        "process.")
     return problems
 
 

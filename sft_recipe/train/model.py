@@ -216,6 +216,24 @@ def materialize_meta_parameters(model) -> int:
     return len(replaced)
 
 
+def materialize_meta_buffers(model) -> list[str]:
+    """Give every meta-device buffer uninitialised CPU storage, persistence kept; returns their names.
+
+    Why: a buffer computed from the base weight when PEFT wraps the model (trainable tokens'
+    `trainable_tokens_original`, the rows the new tokens' delta started from) is on meta where the rank built the
+    model without weights, and accelerate's FSDP2 preparation copies every non-persistent buffer to the device
+    ("Cannot copy out of meta tensor"). Its value is rank 0's: the trainer broadcasts these buffers from rank 0 when
+    training starts (BuffersFromRank0)."""
+    names = []
+    for module_name, module in model.named_modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer is not None and buffer.device.type == "meta":
+                persistent = name not in module._non_persistent_buffers_set
+                module.register_buffer(name, torch.empty_like(buffer, device="cpu"), persistent=persistent)
+                names.append(f"{module_name}.{name}" if module_name else name)
+    return names
+
+
 def fit_embeddings_to_tokenizer(model, tokenizer) -> bool:
     """Grow the embeddings to exactly len(tokenizer) when tokens were added; never shrink, never pad.
 
@@ -249,7 +267,8 @@ def untrained_token_note(model_args: ModelArguments, new_token_ids: list[int]) -
         return None
     return (f"{len(new_token_ids)} tokens added for --chat_template_format {model_args.chat_template_format} keep "
             "random embedding and output rows (LoRA does not train them). To learn them: --train_new_tokens True "
-            "(one process) or --lora_modules_to_save embed_tokens,lm_head (one process or FSDP2).")
+            "(one process or FSDP2: just those rows) or --lora_modules_to_save embed_tokens,lm_head (both matrices "
+            "in full).")
 
 
 def lora_config(model_args: ModelArguments, new_token_ids: list[int] | None = None, trust_remote_code: bool = False):

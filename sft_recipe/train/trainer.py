@@ -45,7 +45,7 @@ from sft_recipe.compat import reshard_fsdp2_units
 from sft_recipe.errors import ConfigError
 from sft_recipe.measure import RssWatch, gpu_peak_gib, save_cost, unsharded_fsdp2_params, weight_mib
 from sft_recipe.train.divergence import StepHealth
-from sft_recipe.train.model import materialize_meta_parameters
+from sft_recipe.train.model import materialize_meta_buffers, materialize_meta_parameters
 from sft_recipe.train.resume_settings import follow_changed_settings, group_settings, schedule_settings
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,30 @@ class ReshardAfterEvaluation(TrainerCallback):
             self.unsharded_params_seen = max(self.unsharded_params_seen, unsharded)
 
 
+class BuffersFromRank0(TrainerCallback):
+    """Buffers a rank built without values (materialize_meta_buffers) take rank 0's once the model is wrapped: the
+    ranks agree on the names now (a collective, only where ranks exist), and rank 0 broadcasts each when training
+    starts, after accelerate's preparation re-registered them on the device."""
+
+    def __init__(self, names: list[str]):
+        import torch.distributed as dist
+
+        self.names = set(names)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, sorted(self.names))
+            self.names = set().union(*map(set, everyone))
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        import torch.distributed as dist
+
+        if not self.names or model is None or not dist.is_initialized():
+            return
+        buffers = {compat.strip_wrapper_segments(key): b for key, b in model.named_buffers()}  # FSDP1's segments
+        for name in sorted(self.names):
+            dist.broadcast(buffers[compat.strip_wrapper_segments(name)], src=0)
+
+
 def upcast_trainable_half_params(model) -> int:
     """Train in fp32 what PEFT copied from a half-precision base: `modules_to_save` copies and trainable-token rows
     (LoRA/DoRA weights are fp32 already: PEFT's autocast_adapter_dtype). Returns how many were cast. Not for a
@@ -140,6 +164,7 @@ class RecipeSFTTrainer(SFTTrainer):
         self.run_identity = {**run_identity(self.model, self.processing_class),
                              "schedule": schedule_settings(self.args)} if self.args.should_save else None
         materialize_meta_parameters(self.model)
+        self.add_callback(BuffersFromRank0(materialize_meta_buffers(self.model)))
         self.checkpoint_save_costs: list[dict] = []  # per checkpoint: seconds, added RSS per rank (run record)
         self.reshard_after_evaluation = ReshardAfterEvaluation()
         self.add_callback(self.reshard_after_evaluation)

@@ -1,7 +1,8 @@
 """What the guide lists as untested or broken, made to work (or refused up front, see tests/unit/test_validate.py):
 
-- the rows of the tokens chatml adds are trained and saved: PEFT trainable tokens in one process, `modules_to_save`
-  (embed_tokens, lm_head) under FSDP2; both reload with the standard loaders and merge;
+- the rows of the tokens chatml adds are trained and saved: PEFT trainable tokens in one process and under FSDP2
+  (the guide's FSDP2 settings: cpu_ram_efficient_loading), `modules_to_save` (embed_tokens, lm_head) under FSDP2;
+  all reload with the standard loaders and merge, and the rows alone cost a fraction of the full matrices;
 - 8-bit (paged) AdamW from bitsandbytes checkpoints and resumes exactly in one process.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -32,13 +34,37 @@ def _merged_embedding_rows(out, tmp_path, ids):
     return (merged.get_input_embeddings().weight[ids].detach(), merged.get_output_embeddings().weight[ids].detach())
 
 
-def test_new_token_rows_train_in_one_process(tiny, tmp_path):
-    out = tmp_path / "tokens"
-    result = launch_train("cpu/single.yaml", out, [
-        "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
-        "--chat_template_format", "chatml", "--train_new_tokens", "True", *TRAIN_FLAGS])
+CONFIGS = {"single": "cpu/single.yaml", "fsdp2": "cpu/fsdp2_config.yaml"}
+
+
+@pytest.fixture(scope="module")
+def new_token_runs(tiny, tmp_path_factory):
+    """(engine, how) -> the run that trains the chatml tokens' rows: `how` "rows" (--train_new_tokens) or "full"
+    (--lora_modules_to_save embed_tokens,lm_head); each launched once, on first use."""
+    runs = {}
+
+    def run(engine: str, how: str):
+        if (engine, how) not in runs:
+            out = tmp_path_factory.mktemp(f"{engine}-{how}") / "out"
+            trained = ["--train_new_tokens", "True"] if how == "rows" else \
+                ["--lora_modules_to_save", "embed_tokens,lm_head"]
+            runs[engine, how] = launch_train(CONFIGS[engine], out, [
+                "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
+                "--chat_template_format", "chatml", *trained, *TRAIN_FLAGS])
+        return runs[engine, how]
+
+    return run
+
+
+@pytest.mark.parametrize("engine", list(CONFIGS))
+def test_new_token_rows_train_in_one_process_and_under_fsdp2(new_token_runs, tiny, tmp_path, engine):
+    result = new_token_runs(engine, "rows")
+    out = result.output_dir
     assert result.returncode == 0, result.output[-6000:]
     assert "adapter check OK" in result.output and "keep random embedding" not in result.output
+    if engine == "fsdp2":
+        how = result.record["distribution"]
+        assert (how["distributed_type"], how["fsdp_version"], how["num_processes"]) == ("FSDP", 2, 2)
     ids = _new_token_ids(out, tiny)
     assert len(ids) == 3  # <|im_start|>, <|im_end|>, <pad>
 
@@ -61,11 +87,33 @@ def test_new_token_rows_train_in_one_process(tiny, tmp_path):
     torch.testing.assert_close(merged_head, rows["head"])
 
 
-def test_modules_to_save_train_new_rows_under_fsdp2(tiny, tmp_path):
-    out = tmp_path / "mts"
-    result = launch_train("cpu/fsdp2_config.yaml", out, [
-        "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
-        "--chat_template_format", "chatml", "--lora_modules_to_save", "embed_tokens,lm_head", *TRAIN_FLAGS])
+def test_under_fsdp2_the_rows_alone_train_instead_of_both_matrices(new_token_runs, tiny):
+    """The same FSDP2 run with the new rows trained (--train_new_tokens) and with both matrices trained in full
+    (--lora_modules_to_save embed_tokens,lm_head): the full way trains 2 x vocabulary x hidden parameters more
+    (the tiny Llama's untied 512 x 64 embedding and head), the rows way 2 x 3 x 64; each saved adapter holds what it
+    trained. At Llama-2-70B (32,003 x 8,192 after chatml) that is 49,152 parameters against 524 million, whose fp32
+    weights, gradients and Adam state (16 bytes each) are 8.4 GB."""
+    from transformers import AutoConfig
+
+    rows, full = new_token_runs("fsdp2", "rows"), new_token_runs("fsdp2", "full")
+    assert rows.returncode == 0 and full.returncode == 0, (rows.output[-3000:], full.output[-3000:])
+    vocab, hidden = AutoConfig.from_pretrained(str(tiny.model_dir)).vocab_size, 64
+    rows_trained = rows.record["weights"]["trainable_params"]
+    full_trained = full.record["weights"]["trainable_params"]
+    # both train the same LoRA layers; beside them, 3 rows of each matrix against both matrices of vocab + 3 rows
+    assert full_trained - rows_trained == 2 * (vocab + 3) * hidden - 2 * 3 * hidden
+    adapter_bytes = {name: (run.output_dir / "adapter_model.safetensors").stat().st_size for name, run in
+                     (("rows", rows), ("full", full))}
+    # the full way saves each matrix twice (the trained copy and the original module), the rows way the base too
+    assert adapter_bytes["rows"] < adapter_bytes["full"]
+    print(f"fsdp2: trainable parameters {rows_trained:,} (rows) vs {full_trained:,} (full); adapter bytes "
+          f"{adapter_bytes}; peak RSS per rank, MiB: {rows.record['memory']['peak_rss_mib_per_rank']} vs "
+          f"{full.record['memory']['peak_rss_mib_per_rank']}")
+
+
+def test_modules_to_save_train_new_rows_under_fsdp2(new_token_runs, tiny, tmp_path):
+    result = new_token_runs("fsdp2", "full")
+    out = result.output_dir
     assert result.returncode == 0, result.output[-6000:]
     how = result.record["distribution"]
     assert how["distributed_type"] == "FSDP" and how["fsdp_version"] == 2
