@@ -69,6 +69,31 @@ def count_trainable(shape: ModelShape, w: Workload) -> tuple[int, int]:
     return count, (2 if w.quant and not w.dora else 4)
 
 
+def fully_trained(shape: ModelShape, w: Workload) -> tuple[int, int, int, str]:
+    """(parameters trained in full beside the adapter, their tensors, bytes each, what they are): the modules
+    --lora_modules_to_save names (a copy of each) and, with --train_new_tokens, the added tokens' rows of the
+    embedding and the output layer. fp32 (the trainer upcasts them: train/trainer.py upcast_trainable_half_params),
+    in the load dtype beside a quantized base. The one count the memory plan and the disk estimate both use."""
+    if not w.lora:
+        return 0, 0, 0, ""
+    chosen = [(params, tensors) for leaf, params, tensors in shape.leaf_params if leaf in w.modules_to_save]
+    params, tensors = sum(p for p, _ in chosen), sum(t for _, t in chosen)
+    what = [f"{', '.join(w.modules_to_save)} in full"] if params else []
+    if w.train_new_tokens and w.extra_vocab:
+        params, tensors = params + 2 * w.extra_vocab * shape.hidden_size, tensors + 2
+        what.append(f"2 x {w.extra_vocab} new-token rows x {shape.hidden_size}")
+    return params, tensors, (w.load_bytes if w.quant else 4), " + ".join(what)
+
+
+def fully_trained_bytes(shape: ModelShape, w: Workload) -> tuple[float, str]:
+    """Memory of `fully_trained`: the parameters, their gradients and their optimizer state."""
+    params, _, each, what = fully_trained(shape, w)
+    if not params:
+        return 0.0, ""
+    opt, _ = optimizer_bytes(shape, w, params, each)
+    return params * each * 2 + opt, f"{what}: {params:,} x {each} B, gradients, {w.optimizer} state"
+
+
 def adapter_bytes(shape: ModelShape, w: Workload) -> tuple[float, str]:
     """What the saved adapter holds, which is all the final save gathers (sft_recipe/artifacts/gather.py): the trainable
     tensors, plus the whole input embedding and output head when the vocabulary was resized (PEFT saves both)."""

@@ -8,6 +8,7 @@ from sft_recipe.plan.components import (
     adapter_bytes,
     base_weight_bytes,
     count_trainable,
+    fully_trained_bytes,
     optimizer_bytes,
 )
 from sft_recipe.plan.inputs import Distribution, Workload
@@ -81,7 +82,7 @@ def estimate_cpu(shape: ModelShape, w: Workload, d: Distribution, rank: int) -> 
     if w.quant:
         heap_factor *= CPU_HEAP_FACTOR_4BIT[w.gradient_checkpointing]
     heap = heap_factor * shape.num_layers * w.tokens * c
-    train_state = trainable * tbytes * 2 + opt
+    train_state = trainable * tbytes * 2 + opt + fully_trained_bytes(shape, w)[0]  # + modules trained in full
     rows = [Row("fixed (imports, tokenizer, data, trainer)", fixed, f"{CPU_FIXED_MIB:g} MiB measured")]
     if fsdp:
         shard = (shardable + replicated) / G

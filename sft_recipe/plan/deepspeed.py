@@ -29,6 +29,7 @@ from sft_recipe.plan.components import (
     adapter_bytes,
     base_weight_bytes,
     count_trainable,
+    fully_trained_bytes,
     offloaded_activation_bytes,
 )
 from sft_recipe.plan.inputs import Distribution, Workload
@@ -80,6 +81,10 @@ def estimate_deepspeed(shape: ModelShape, w: Workload, d: Distribution,
             f"{trainable:,} x 12 B (fp32 master + Adam) / {N}" + (" -- offloaded to CPU" if d.offload_optimizer
                                                                   else "")),
     ]
+    full, fformula = fully_trained_bytes(shape, w)
+    if full:  # ZeRO-3 partitions them with the rest; ZeRO-2 keeps the weights whole, the optimizer state split
+        rows.append(Row("trained in full", params_on_gpu * full / N if stage == 3 else full,
+                        fformula + (f" / {N}" if stage == 3 else " (ZeRO-2: whole)")))
     rows += activation_rows(shape, w, "cuda")
     if stage == 3:
         gathered = (shape.largest_linear_params + PREFETCH_BUCKET_ELEMENTS) * w.compute_bytes

@@ -7,6 +7,7 @@ from sft_recipe.plan.components import (
     adapter_bytes,
     base_weight_bytes,
     count_trainable,
+    fully_trained_bytes,
     gather_bytes,
     offloaded_activation_bytes,
     optimizer_bytes,
@@ -72,6 +73,9 @@ def estimate_gpu(shape: ModelShape, w: Workload, d: Distribution,
         Row("gradients", on_gpu * trainable * tbytes / sharded, "same as trainable params"),
         Row("optimizer state", on_gpu * opt / sharded, oformula + (f" / {G}" if sharded > 1 else "")),
     ]
+    full, fformula = fully_trained_bytes(shape, w)
+    if full:
+        rows.append(Row("trained in full", on_gpu * full / sharded, fformula + (f" / {G}" if sharded > 1 else "")))
     rows += activation_rows(shape, w, "cuda")
     gather, gformula = gather_bytes(shape, w, d)
     if d.offload and d.kind == "fsdp":  # the shard is copied host->device before its all-gather

@@ -95,6 +95,8 @@ class Workload:
     # How another stack ran what train.py runs, for a like-for-like comparison (bench/plan_vs_published.py):
     loss_impl: str = "trl-chunked"  # components.LOSS_IMPLS; train.py always computes TRL's chunked loss
     adapter_bytes: int = 0  # bytes per LoRA weight (and its gradient and Adam moments); 0: as this recipe keeps them
+    modules_to_save: tuple[str, ...] = ()  # --lora_modules_to_save: trained in full beside the adapter
+    train_new_tokens: bool = False  # --train_new_tokens: the added tokens' rows of the embedding and head trained
 
     @property
     def tokens(self) -> int:
@@ -236,6 +238,8 @@ def workload(model_args, data_args, training_args, device: str, dora: bool = Fal
         extra_vocab=extra_vocab,
         activation_offloading=bool(getattr(training_args, "activation_offloading", False)),
         reentrant_checkpointing=bool(checkpointing) and bool(getattr(model_args, "use_reentrant", False)),
+        modules_to_save=tuple(getattr(model_args, "modules_to_save", ())),
+        train_new_tokens=bool(getattr(model_args, "train_new_tokens", False)),
     )
 
 

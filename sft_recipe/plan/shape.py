@@ -52,6 +52,9 @@ class ModelShape:
     largest_layer: str = ""  # module name of the largest decoder layer
     num_heads: int = 0  # attention heads
     attention: str = "sdpa"  # what transformers picks for the class without --use_flash_attn: "sdpa" or "eager"
+    # (leaf name, parameters, tensors) of the modules of each leaf name, tied tensors once: what
+    # --lora_modules_to_save names ("embed_tokens", "lm_head") trains in full
+    leaf_params: tuple[tuple[str, int, int], ...] = ()
 
     def lora_params(self, r: int, targets: str | list[str], dora: bool = False) -> int:
         """LoRA parameters: sum over adapted linears of r*(in + out) (A is r x in, B is out x r); DoRA adds a magnitude
@@ -170,7 +173,16 @@ def model_shape(model_name_or_path: str, trust_remote_code: bool = False, extra_
         largest_layer=largest_name,
         num_heads=getattr(text, "num_attention_heads", 0) or 0,
         attention=str(getattr(config, "_attn_implementation", None) or "sdpa"),
+        leaf_params=_params_by_leaf_name(model),
     )
+
+
+def _params_by_leaf_name(model) -> tuple[tuple[str, int, int], ...]:
+    seen: dict[str, dict[int, int]] = {}
+    for name, module in model.named_modules():
+        for param in module.parameters():
+            seen.setdefault(name.rsplit(".", 1)[-1], {})[id(param)] = param.numel()
+    return tuple(sorted((leaf, sum(counts.values()), len(counts)) for leaf, counts in seen.items() if leaf))
 
 
 

@@ -155,7 +155,7 @@ def _resume_point(t) -> tuple[int, float]:
 def _trainable(m, d, t):
     """(the planner's Workload, trainable parameters, their bytes, their tensors, Adam state bytes, the adapter
     file's tensor bytes, a description)."""
-    from sft_recipe.plan.components import adapter_bytes, count_trainable, optimizer_bytes
+    from sft_recipe.plan.components import adapter_bytes, count_trainable, fully_trained, optimizer_bytes
     from sft_recipe.plan.inputs import workload
     from sft_recipe.plan.shape import model_shape
 
@@ -170,11 +170,7 @@ def _trainable(m, d, t):
     else:
         tensors = (len(shape.layer_linears) + 2) * shape.num_layers + 3  # linears + 2 norms per layer, + root
         holds = f"{count:,} parameters x {param_bytes} B (full fine-tuning)"
-    extra_params, extra_tensors = _modules_to_save(m, t) if w.lora else (0, 0)
-    full_bytes = 4 if not w.quant else w.load_bytes  # copies are upcast to fp32, except beside a quantized base
-    if m.train_new_tokens and w.extra_vocab and w.lora:
-        extra_params += 2 * w.extra_vocab * shape.hidden_size  # trainable-token rows, embedding and output layer
-        extra_tensors += 2
+    extra_params, extra_tensors, full_bytes, _ = fully_trained(shape, w)  # modules to save, new-token rows
     if extra_params:
         holds += f" + {extra_params:,} x {full_bytes} B (modules to save, new-token rows)"
     trainable_bytes = count * param_bytes + extra_params * full_bytes
@@ -182,18 +178,6 @@ def _trainable(m, d, t):
     saved_tensor_bytes = adapter_bytes(shape, w)[0] + extra_params * full_bytes if w.lora else trainable_bytes
     return w, count + extra_params, trainable_bytes, tensors + extra_tensors, adam, saved_tensor_bytes, \
         holds + " + Adam state"
-
-
-def _modules_to_save(m, t) -> tuple[int, int]:
-    """(parameters, tensors) of the modules --lora_modules_to_save trains in full, from the meta model."""
-    names = set(m.modules_to_save)
-    if not names:
-        return 0, 0
-    from sft_recipe.model.shape import meta_model
-
-    params = {id(p): p for name, module in meta_model(m.model_name_or_path, bool(t.trust_remote_code))
-              .named_modules() if name.rsplit(".", 1)[-1] in names for p in module.parameters()}
-    return sum(p.numel() for p in params.values()), len(params)
 
 
 def estimate_writes(m, d, t, launch, block_bytes: int = 4096) -> WriteEstimate:

@@ -349,3 +349,22 @@ def test_other_llama_style_families_plan_from_their_config_alone(tmp_path, famil
                               "--lora_target_modules", "all-linear"], "cuda")
     plan = _plan(args, _fsdp(2))
     assert "memory plan" in plan.render() and plan.fits
+
+
+def test_modules_trained_in_full_and_the_new_token_rows_are_planned(lora_args):
+    """Beside LoRA, --lora_modules_to_save embed_tokens,lm_head trains Llama-2-70B's two 32,003 x 8,192 matrices
+    (32,000 rows + chatml's 3): 2 x 32,003 x 8,192 = 524,337,152 parameters, fp32, with their gradients and AdamW's
+    two moments, 4 x 4 = 16 bytes each: 8,389,394,432 bytes, an eighth per GPU under FULL_SHARD on 8 (0.98 GiB).
+    --train_new_tokens trains the 2 x 3 new rows alone: 2 x 3 x 8,192 = 49,152 parameters, 786,432 bytes."""
+    from sft_recipe.plan import GIB
+
+    model_args, data_args, _, training_args = lora_args
+
+    def plan(**flags):
+        return plan_memory(replace(model_args, **flags), data_args, training_args, _fsdp(8), None, 80.0, "cuda")
+
+    base, full, rows = plan(), plan(lora_modules_to_save="embed_tokens,lm_head"), plan(train_new_tokens=True)
+    assert "trained in full" not in {r.name for r in base.rows}
+    assert _row(full, "trained in full") == 8_389_394_432 / 8
+    assert _row(rows, "trained in full") == 786_432 / 8
+    assert full.peak_gib - base.peak_gib == pytest.approx(8_389_394_432 / 8 / GIB)  # the train step is the peak
