@@ -233,6 +233,11 @@ def run(launch: LaunchEnv) -> int:
     except LostRank as e:  # another rank died (SIGKILL, a crash) mid-collective: one line per survivor, no traceback
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
+    except RuntimeError as e:  # ...or before training, in a collective of the data, the load or the trainer's set-up
+        if not lost_a_rank(e):
+            raise
+        print(f"error: {lost_rank_message(launch.rank, e, None, before_training=True)}", file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C before training began, or a second one during it: abort, no traceback
         if launch.is_main_process:
             print("aborted by Ctrl-C: nothing more was saved (a checkpoint being written is left unmarked, and "

@@ -30,11 +30,14 @@ def lost_a_rank(error: BaseException | None) -> bool:
                for e in error_chain(error))
 
 
-def lost_rank_message(rank: int, error: BaseException, newest_checkpoint: str | None) -> str:
-    """One line for a surviving rank."""
+def lost_rank_message(rank: int, error: BaseException, newest_checkpoint: str | None,
+                      before_training: bool = False) -> str:
+    """One line for a surviving rank. `before_training`: it was lost in one of the collectives that come before
+    (the data's preparation, the 4-bit state from rank 0, the trainer's set-up), where nothing was written."""
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
     where = re.sub(r"^\[[^\]]*\]\s*", "", first)[:160]  # gloo prefixes its source file and line
-    resume = (f"The newest intact checkpoint is {newest_checkpoint}: run the same command with "
+    resume = ("Training had not started, nothing was written: run the same command again." if before_training else
+              f"The newest intact checkpoint is {newest_checkpoint}: run the same command with "
               f"--resume_from_checkpoint latest." if newest_checkpoint else
               "No checkpoint was written yet: run the same command again.")
     return (f"rank {rank}: another rank is gone ({where}). Its process ended: killed (SIGKILL, usually the "

@@ -6,6 +6,7 @@
 - run_peft_slurm.sh under fake `srun`/`scontrol` (tests/test_slurm.py) with the real launcher: SIGUSR1 to every
   process of the job step (what `#SBATCH --signal=USR1@300` does) checkpoints, requeues and exits 75; the requeued
   job resumes from that checkpoint and finishes.
+- A rank SIGKILLed on one machine before training: the other machine's rank ends with one line, no traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import psutil
 import torch
@@ -128,3 +130,53 @@ def test_slurm_script_preempted_by_usr1_requeues_then_resumes(tiny, tmp_path):
     assert "adapter check OK" in resumed.stdout
     assert not (out / "preempted.json").exists()
     assert (tmp_path / "log" / "requeue").read_text().split() == [JOB_ID], "no second requeue"
+
+
+def test_a_rank_killed_before_training_on_another_machine_ends_the_run_with_one_line(tiny, tmp_path):
+    """Machine 1's rank is SIGKILLed (the out-of-memory killer) while machine 0's rank prepares the data (4,000
+    rows), so before training: machine 0's rank, waiting for it in the data's hand-over, ends within seconds with one
+    line (which rank, the likely cause, "run the same command again"), no traceback of its own; each machine's
+    launcher exits non-zero. Before, only a loss inside training was said in one line."""
+    from tests.helpers import accelerate_launch
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = (tiny.jsonl_dir / "train.jsonl").read_text().splitlines()
+    (data / "train.jsonl").write_text("\n".join(rows * (4000 // len(rows) + 1)) + "\n")
+    port = str(free_port())
+    machines = []
+    for machine_rank in (0, 1):
+        log = open(tmp_path / f"machine-{machine_rank}.log", "w+")
+        cmd = [*accelerate_launch(), "--config_file", str(REPO / MULTI_NODE_CPU_CONFIG), "--num_machines", "2",
+               "--num_processes", "2", "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1",
+               "--main_process_port", port, "train.py", "--output_dir", str(tmp_path / "out"), "--model_name_or_path",
+               str(tiny.model_dir), "--dataset_name", str(data), "--splits", "train", *FLAGS]
+        machines.append((subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=log, stderr=subprocess.STDOUT), log))
+    try:
+        (machine0, log0), (machine1, log1) = machines
+        deadline = time.monotonic() + 120
+        while "data: tokenizing split 'train'" not in (seen := log0.read()) and time.monotonic() < deadline:
+            log0.seek(0)
+            time.sleep(0.05)
+        assert "data: tokenizing split 'train'" in seen, f"machine 0 never prepared the data: {seen[-3000:]}"
+        rank1 = [p for p in psutil.Process(machine1.pid).children(recursive=True) if "train.py" in p.cmdline()]
+        assert len(rank1) == 1, "machine 1's rank, alive while machine 0 prepares the data"
+        rank1[0].kill()
+        killed = time.monotonic()
+        for proc, _ in machines:
+            proc.wait(timeout=120)
+        ended_in_s = time.monotonic() - killed
+    finally:
+        for proc, _ in machines:
+            if proc.poll() is None:
+                proc.kill()
+    outputs = []
+    for _, log in machines:
+        log.seek(0)
+        outputs.append(log.read())
+    assert machine0.returncode != 0 and machine1.returncode != 0, outputs[0][-3000:]
+    assert ended_in_s < 60, ended_in_s
+    assert "error: rank 0: another rank is gone (" in outputs[0], outputs[0][-4000:]
+    assert "Training had not started, nothing was written: run the same command again." in outputs[0]
+    assert "[rank0]: Traceback" not in outputs[0] and "training loss" not in outputs[0]
+    assert "exitcode  : -9" in outputs[1] and "(SIGKILL)" in outputs[1], outputs[1][-3000:]
