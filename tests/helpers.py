@@ -112,11 +112,11 @@ def process_tree(launcher: subprocess.Popen) -> list:
     return [root, *root.children(recursive=True)]
 
 
-def launch_two_machines(config: str, script: str, args: list[str], log_dir: Path, env: dict | None = None,
-                        launcher_args: tuple[str, ...] = (), timeout_s: float = 300) -> list[str]:
+def start_two_machines(config: str, script: str, args: list[str], log_dir: Path, env: dict | None = None,
+                       launcher_args: tuple[str, ...] = ()) -> list[tuple[subprocess.Popen, object]]:
     """Two "machines" on this computer over loopback: `accelerate launch --config_file configs/<config>
     --num_machines 2 --machine_rank 0|1 ...` started at once, each with an environment of its own (its own datasets
-    cache: `env` is added to a fresh launch_env()). Returns each machine's log; asserts both exited 0."""
+    cache: `env` is added to a fresh launch_env()). Returns (launcher, its log open for reading) per machine."""
     port = str(free_port())
     machines = []
     for machine_rank in (0, 1):
@@ -126,6 +126,13 @@ def launch_two_machines(config: str, script: str, args: list[str], log_dir: Path
                "--main_process_ip", "127.0.0.1", "--main_process_port", port, *launcher_args, script, *args]
         machines.append((subprocess.Popen(cmd, cwd=REPO, env={**launch_env(), **(env or {})}, stdout=log,
                                           stderr=subprocess.STDOUT), log))
+    return machines
+
+
+def launch_two_machines(config: str, script: str, args: list[str], log_dir: Path, env: dict | None = None,
+                        launcher_args: tuple[str, ...] = (), timeout_s: float = 300) -> list[str]:
+    """`start_two_machines`, waited for. Returns each machine's log; asserts both exited 0."""
+    machines = start_two_machines(config, script, args, log_dir, env, launcher_args)
     try:
         for proc, _ in machines:
             proc.wait(timeout=timeout_s)

@@ -30,6 +30,7 @@ from tests.helpers import (
     launch_train,
     launch_two_machines,
     slurm_env,
+    start_two_machines,
     wait_for_training,
     write_shims,
 )
@@ -137,21 +138,13 @@ def test_a_rank_killed_before_training_on_another_machine_ends_the_run_with_one_
     rows), so before training: machine 0's rank, waiting for it in the data's hand-over, ends within seconds with one
     line (which rank, the likely cause, "run the same command again"), no traceback of its own; each machine's
     launcher exits non-zero. Before, only a loss inside training was said in one line."""
-    from tests.helpers import accelerate_launch
-
     data = tmp_path / "data"
     data.mkdir()
     rows = (tiny.jsonl_dir / "train.jsonl").read_text().splitlines()
     (data / "train.jsonl").write_text("\n".join(rows * (4000 // len(rows) + 1)) + "\n")
-    port = str(free_port())
-    machines = []
-    for machine_rank in (0, 1):
-        log = open(tmp_path / f"machine-{machine_rank}.log", "w+")
-        cmd = [*accelerate_launch(), "--config_file", str(REPO / MULTI_NODE_CPU_CONFIG), "--num_machines", "2",
-               "--num_processes", "2", "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1",
-               "--main_process_port", port, "train.py", "--output_dir", str(tmp_path / "out"), "--model_name_or_path",
-               str(tiny.model_dir), "--dataset_name", str(data), "--splits", "train", *FLAGS]
-        machines.append((subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=log, stderr=subprocess.STDOUT), log))
+    machines = start_two_machines(MULTI_NODE_CPU_CONFIG.removeprefix("configs/"), "train.py", [
+        "--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(tiny.model_dir), "--dataset_name",
+        str(data), "--splits", "train", *FLAGS], tmp_path)
     try:
         (machine0, log0), (machine1, log1) = machines
         deadline = time.monotonic() + 120
