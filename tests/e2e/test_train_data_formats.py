@@ -1,8 +1,8 @@
 """Each data format through the real train.py: recognised with no flag, trained end to end on the tiny model with
 the adapter verified, and what was trained recorded (data_report.json, the trainer's own counts). Alpaca and
 conversational prompt/completion train as one mixture of two sources (`--dataset_name a,b`), on one process and,
-with proportions, under FSDP2; prompt/completion under FSDP1, through `accelerate launch`. A bad file and the preview
-stop before any weight is loaded: the model folder they are given has no weights at all."""
+3:1, under FSDP2; prompt/completion 2:1 with a copy of itself under FSDP1, through `accelerate launch`. A bad file
+and the preview stop before any weight is loaded: the model folder they are given has no weights at all."""
 
 from __future__ import annotations
 
@@ -80,18 +80,23 @@ def test_format_trains_end_to_end(tiny, format_datasets, tmp_path, case):
         assert report["splits"]["test"]["rows"] == 80
 
 
-@pytest.mark.parametrize("config,case,version", [("cpu/fsdp2_config.yaml", "alpaca+prompt_completion_chat", 2),
-                                                ("cpu/fsdp_config.yaml", "prompt_completion", 1)])
-def test_answer_only_formats_under_fsdp_train_the_answers_only(tiny, format_datasets, tmp_path, config, case, version):
+@pytest.mark.parametrize("config,case,version,shares,taken", [
+    # 3:1 of two sources of 240 rows: all of the first, 80 of the second; 2:1 of prompt/completion and a copy of it
+    ("cpu/fsdp2_config.yaml", "alpaca+prompt_completion_chat", 2, "3,1", (240, 80)),
+    ("cpu/fsdp_config.yaml", "prompt_completion", 1, "2,1", (240, 120))])
+def test_answer_only_formats_under_fsdp_train_the_answers_only(tiny, format_datasets, tmp_path, config, case, version,
+                                                              shares, taken):
     out = tmp_path / "out"
-    mixed = "+" in case  # 3:1 of two sources of 240 rows: 320 rows (all of the first, 80 of the second)
-    result = launch_train(config, out, [
-        "--model_name_or_path", str(tiny.model_dir), "--dataset_name", _dataset_name(format_datasets, case), *FLAGS,
-        "--packing", "False", *(["--dataset_proportions", "3,1"] if mixed else [])])
-    report = _assert_trained(result, case, None if mixed else _answer_tokens(tiny), rows=320 if mixed else 240)
-    if mixed:  # every answer of the first source and those of the 80 rows taken of the second
-        assert _answer_tokens(tiny) < report["splits"]["train"]["loss_tokens"] < 2 * _answer_tokens(tiny)
-        assert [(s["train_rows"], s["train_share"]) for s in report["sources"]] == [(240, 0.75), (80, 0.25)]
+    sources = _dataset_name(format_datasets, case)
+    if "+" not in case:  # a second source of the same format: the same rows, under another folder
+        shutil.copytree(format_datasets[case], tmp_path / "again")
+        sources += f",{tmp_path / 'again'}"
+    result = launch_train(config, out, ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", sources, *FLAGS,
+                                        "--packing", "False", "--dataset_proportions", shares])
+    report = _assert_trained(result, case, None, rows=sum(taken))
+    # every answer of the first source and those of the rows taken of the second
+    assert _answer_tokens(tiny) < report["splits"]["train"]["loss_tokens"] < 2 * _answer_tokens(tiny)
+    assert [s["train_rows"] for s in report["sources"]] == list(taken)
     facts = result.record
     how = facts["distribution"]
     assert how["fsdp_version"] == version and how["num_processes"] == 2 and how["fsdp_modules"] > 0  # real FSDP
