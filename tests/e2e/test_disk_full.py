@@ -165,3 +165,5 @@ def test_a_full_datasets_cache_trains_on_without_the_copy(tiny, tmp_path):
     assert result.output.count(f"datasets could not write its cache in {cache}") == 1, result.output[-4000:]
     assert "point HF_DATASETS_CACHE at a folder with room" in result.output and "disk full" not in result.output
     assert (result.record["data"]["prepared_on_ranks"], result.record["data"]["read_copy_on_ranks"]) == ([0], [1])
+    temporary = re.search(r"this launch prepares the data in (\S+) \(removed at exit\)", result.output).group(1)
+    assert not os.path.exists(temporary), temporary  # removed, also where the ranks exit skipping the teardown

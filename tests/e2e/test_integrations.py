@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -60,3 +61,61 @@ def test_report_to_tensorboard_writes_its_event_files_in_output_dir(engine, tiny
     losses = result.record["training"]["losses"]
     assert [event.step for event in scalars] == list(range(1, len(losses) + 1))
     assert [event.value for event in scalars] == pytest.approx(losses, rel=1e-5)
+
+
+def _wandb_records(run_file) -> list:
+    """The records of an offline W&B run (`run-<id>.wandb`), decoded with W&B's own protobuf classes. The file is
+    LevelDB's log format (32 KiB blocks, each record a 7-byte header -- checksum, length, type -- and its bytes, a
+    record cut across blocks as first/middle/last pieces) after W&B's 7-byte header; wandb 0.31 ships no Python reader
+    of it (its sync tool is Go)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B", data[:8]
+    block, header = 32768, 7
+    offset, pieces, records = 7, b"", []
+    while offset + header <= len(data):
+        if block - offset % block < header:  # too little room left in the block for a header: zero padding
+            offset += block - offset % block
+            continue
+        length, kind = int.from_bytes(data[offset + 4:offset + 6], "little"), data[offset + 6]
+        piece = data[offset + header:offset + header + length]
+        offset += header + length
+        if kind in (1, 2):  # full, first
+            pieces = piece
+        elif kind in (3, 4):  # middle, last
+            pieces += piece
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(pieces))
+    return records
+
+
+@pytest.mark.parametrize("engine", ["one-process", "fsdp2"])
+def test_report_to_wandb_offline_holds_the_runs_losses_and_config(engine, tiny, tmp_path):
+    """`--report_to wandb` with W&B's offline mode (no account, no network), on one process and under FSDP2: one
+    offline run (rank 0 alone reports), whose history holds every logged loss of the run record, the measured peak
+    memory per step, and whose config holds the run's flags (learning rate, LoRA rank, the base model)."""
+    pytest.importorskip("wandb")  # requirements-dev.txt installs it
+    out, wandb_dir = tmp_path / "out", tmp_path / "wandb-runs"
+    env = {**launch_env(cpu_switch=engine != "one-process"), "WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir),
+           "WANDB_SILENT": "true"}
+    args = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
+            *[a if a != "tensorboard" else "wandb" for a in FLAGS], "--max_steps", "3", "--learning_rate", "3e-3"]
+    if engine == "one-process":
+        result = run_command([sys.executable, str(REPO / "train.py"), *args, "--output_dir", str(out), "--bf16",
+                              "False"], out, env=env)
+    else:
+        result = launch_train("cpu/fsdp2_config.yaml", out, args, env=env)
+    assert result.returncode == 0, result.output[-4000:]
+    run_files = sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(run_files) == 1, sorted(str(p) for p in wandb_dir.rglob("*"))  # one run, also under FSDP
+    records = _wandb_records(run_files[0])
+    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    losses = [row["train/loss"] for row in history if "train/loss" in row]
+    assert losses == pytest.approx(result.record["training"]["losses"], rel=1e-6) and len(losses) == 3
+    assert all(row["train/peak_memory_gib"] > 0 for row in history if "train/loss" in row)
+    config = {item.key: json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "config"
+              for item in r.config.update}
+    assert config["learning_rate"] == 3e-3 and config["_name_or_path"] == str(tiny.model_dir)
+    assert json.dumps(config["peft_config"]).count('"r": 4') == 1
