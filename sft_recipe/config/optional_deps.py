@@ -90,8 +90,9 @@ def report_to_problems(report_to) -> list[str]:
 
 def mlflow_store_problems(name: str, other: str = "") -> list[str]:
     """MLflow opens its tracking store only when transformers' MLflowCallback starts the run, after the model has
-    loaded. MLflow 3 refuses a local `./mlruns` (file) store ("maintenance mode"), and mlflow-skinny, which provides
-    the `mlflow` module, has no sqlite store, MLflow 3's default: such a run died at its first step. The store is
+    loaded. MLflow 3 refuses a local `./mlruns` (file) store ("maintenance mode") unless MLFLOW_ALLOW_FILE_STORE=true,
+    and mlflow-skinny, which provides the `mlflow` module, has no sqlite store, MLflow 3's default: such a run died at
+    its first step. The store is
     opened here the way the callback does (`MlflowClient()` on MLFLOW_TRACKING_URI or MLflow's default): a remote
     server is not contacted (its client connects on first use)."""
     try:
@@ -104,8 +105,9 @@ def mlflow_store_problems(name: str, other: str = "") -> list[str]:
     except Exception as e:  # noqa: BLE001 -- whatever MLflow raises for a store it cannot open is the user's message
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         return [f"--report_to {name}: MLflow cannot open its tracking store {mlflow.get_tracking_uri()} ({first}). "
-                "Fix: MLFLOW_TRACKING_URI=http://<your tracking server>, or a store this MLflow opens (the full "
-                f"`pip install mlflow` has sqlite:///mlflow.db), or {other}--report_to none."]
+                "Fix: MLFLOW_TRACKING_URI=http://<your tracking server>; or a local store this MLflow opens: "
+                "MLFLOW_ALLOW_FILE_STORE=true with MLFLOW_TRACKING_URI=file:///<folder>/mlruns (MLflow's own opt-in), "
+                f"or sqlite:///mlflow.db with the full `pip install mlflow`; or {other}--report_to none."]
     return []
 
 

@@ -119,3 +119,33 @@ def test_report_to_wandb_offline_holds_the_runs_losses_and_config(engine, tiny, 
               for item in r.config.update}
     assert config["learning_rate"] == 3e-3 and config["_name_or_path"] == str(tiny.model_dir)
     assert json.dumps(config["peft_config"]).count('"r": 4') == 1
+
+
+@pytest.mark.parametrize("engine", ["one-process", "fsdp2"])
+def test_report_to_mlflow_on_a_local_store_holds_the_runs_losses_and_flags(engine, tiny, tmp_path):
+    """`--report_to mlflow` on a local file store (MLFLOW_ALLOW_FILE_STORE=true: MLflow 3's opt-in), on one process
+    and under FSDP2: one finished run (rank 0 alone reports) whose metric history holds every logged loss of the run
+    record and the measured peak memory, and whose parameters hold the run's flags."""
+    pytest.importorskip("mlflow")  # requirements-dev.txt installs mlflow-skinny
+    from mlflow import MlflowClient
+
+    out, store = tmp_path / "out", f"file://{tmp_path / 'mlruns'}"
+    env = {**launch_env(cpu_switch=engine != "one-process"), "MLFLOW_TRACKING_URI": store,
+           "MLFLOW_ALLOW_FILE_STORE": "true", "MLFLOW_EXPERIMENT_NAME": "sft"}
+    args = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
+            *[a if a != "tensorboard" else "mlflow" for a in FLAGS], "--max_steps", "3", "--learning_rate", "3e-3"]
+    if engine == "one-process":
+        result = run_command([sys.executable, str(REPO / "train.py"), *args, "--output_dir", str(out), "--bf16",
+                              "False"], out, env=env)
+    else:
+        result = launch_train("cpu/fsdp2_config.yaml", out, args, env=env)
+    assert result.returncode == 0, result.output[-4000:]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        client = MlflowClient(store)
+        (run,) = client.search_runs([client.get_experiment_by_name("sft").experiment_id])  # one, also under FSDP
+        losses = [m.value for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert run.info.status == "FINISHED"
+    assert losses == pytest.approx(result.record["training"]["losses"], rel=1e-6) and len(losses) == 3
+    assert run.data.metrics["peak_memory_gib"] > 0
+    assert float(run.data.params["learning_rate"]) == 3e-3 and run.data.params["_name_or_path"] == str(tiny.model_dir)

@@ -105,6 +105,7 @@ def test_each_report_to_integration(name, monkeypatch):
     assert problem.endswith("or --report_to none (losses go to the log and run_record.json only).")
     assert all(row.fix() in problem for row in packages.rows("--report_to", name))
     _set(monkeypatch, "--report_to", name, available=True)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # mlflow, dagshub: a server, not contacted
     assert od.report_to_problems([name]) == []
 
 
@@ -133,6 +134,20 @@ def test_an_mlflow_store_that_cannot_be_opened_is_refused_before_the_load(monkey
     (problem,) = od.report_to_problems(["tensorboard", "mlflow"])
     assert problem.endswith("or leave mlflow out of report_to, or --report_to none.")
     _fake_mlflow(monkeypatch, opens=True)
+    assert od.report_to_problems(["mlflow"]) == []
+
+
+def test_the_installed_mlflow_on_a_local_store_is_refused_unless_opted_in(monkeypatch, tmp_path):
+    """The real MLflow (mlflow-skinny, requirements-dev.txt) on a local file store: refused with MLflow's own reason
+    and the opt-in among the fixes; with MLFLOW_ALLOW_FILE_STORE=true, the store opens and nothing is said."""
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path / 'mlruns'}")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    (problem,) = od.report_to_problems(["mlflow"])
+    assert f"MLflow cannot open its tracking store file://{tmp_path / 'mlruns'} (" in problem
+    assert "maintenance mode" in problem and "Fix: " in problem
+    assert "MLFLOW_ALLOW_FILE_STORE=true with MLFLOW_TRACKING_URI=file:///<folder>/mlruns" in problem
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     assert od.report_to_problems(["mlflow"]) == []
 
 
