@@ -133,6 +133,14 @@ def launch_two_machines(config: str, script: str, args: list[str], log_dir: Path
                         launcher_args: tuple[str, ...] = (), timeout_s: float = 300) -> list[str]:
     """`start_two_machines`, waited for. Returns each machine's log; asserts both exited 0."""
     machines = start_two_machines(config, script, args, log_dir, env, launcher_args)
+    logs = wait_for_machines(machines, timeout_s)
+    for (proc, _), log in zip(machines, logs):
+        assert proc.returncode == 0, log[-4000:]
+    return logs
+
+
+def wait_for_machines(machines: list, timeout_s: float = 300) -> list[str]:
+    """Wait for every launcher of `start_two_machines` (killing any still running after `timeout_s`); their logs."""
     try:
         for proc, _ in machines:
             proc.wait(timeout=timeout_s)
@@ -141,10 +149,9 @@ def launch_two_machines(config: str, script: str, args: list[str], log_dir: Path
             if proc.poll() is None:
                 proc.kill()
     logs = []
-    for proc, log in machines:
+    for _, log in machines:
         log.seek(0)
         logs.append(log.read())
-        assert proc.returncode == 0, logs[-1][-4000:]
     return logs
 
 

@@ -31,6 +31,7 @@ from tests.helpers import (
     launch_two_machines,
     slurm_env,
     start_two_machines,
+    wait_for_machines,
     wait_for_training,
     write_shims,
 )
@@ -145,8 +146,8 @@ def test_a_rank_killed_before_training_on_another_machine_ends_the_run_with_one_
     machines = start_two_machines(MULTI_NODE_CPU_CONFIG.removeprefix("configs/"), "train.py", [
         "--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(tiny.model_dir), "--dataset_name",
         str(data), "--splits", "train", *FLAGS], tmp_path)
+    (machine0, log0), (machine1, _) = machines
     try:
-        (machine0, log0), (machine1, log1) = machines
         deadline = time.monotonic() + 120
         while "data: tokenizing split 'train'" not in (seen := log0.read()) and time.monotonic() < deadline:
             log0.seek(0)
@@ -156,17 +157,12 @@ def test_a_rank_killed_before_training_on_another_machine_ends_the_run_with_one_
         assert len(rank1) == 1, "machine 1's rank, alive while machine 0 prepares the data"
         rank1[0].kill()
         killed = time.monotonic()
+    except BaseException:  # failed before its kill: stop both machines, report that failure
         for proc, _ in machines:
-            proc.wait(timeout=120)
-        ended_in_s = time.monotonic() - killed
-    finally:
-        for proc, _ in machines:
-            if proc.poll() is None:
-                proc.kill()
-    outputs = []
-    for _, log in machines:
-        log.seek(0)
-        outputs.append(log.read())
+            proc.kill()
+        raise
+    outputs = wait_for_machines(machines, 120)
+    ended_in_s = time.monotonic() - killed
     assert machine0.returncode != 0 and machine1.returncode != 0, outputs[0][-3000:]
     assert ended_in_s < 60, ended_in_s
     assert "error: rank 0: another rank is gone (" in outputs[0], outputs[0][-4000:]
