@@ -63,6 +63,20 @@ def test_report_to_tensorboard_writes_its_event_files_in_output_dir(engine, tiny
     assert [event.value for event in scalars] == pytest.approx(losses, rel=1e-5)
 
 
+def _train_reporting_to(logger: str, engine: str, tiny, out, env: dict):
+    """3 steps at 3e-3 reporting to `logger`, as `python train.py` ("one-process") or under FSDP2; asserts it ran."""
+    env = {**launch_env(cpu_switch=engine != "one-process"), **env}
+    args = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
+            *[a if a != "tensorboard" else logger for a in FLAGS], "--max_steps", "3", "--learning_rate", "3e-3"]
+    if engine == "one-process":
+        result = run_command([sys.executable, str(REPO / "train.py"), *args, "--output_dir", str(out), "--bf16",
+                              "False"], out, env=env)
+    else:
+        result = launch_train("cpu/fsdp2_config.yaml", out, args, env=env)
+    assert result.returncode == 0, result.output[-4000:]
+    return result
+
+
 def _wandb_records(run_file) -> list:
     """The records of an offline W&B run (`run-<id>.wandb`), decoded with W&B's own protobuf classes. The file is
     LevelDB's log format (32 KiB blocks, each record a 7-byte header -- checksum, length, type -- and its bytes, a
@@ -96,17 +110,9 @@ def test_report_to_wandb_offline_holds_the_runs_losses_and_config(engine, tiny, 
     offline run (rank 0 alone reports), whose history holds every logged loss of the run record, the measured peak
     memory per step, and whose config holds the run's flags (learning rate, LoRA rank, the base model)."""
     pytest.importorskip("wandb")  # requirements-dev.txt installs it
-    out, wandb_dir = tmp_path / "out", tmp_path / "wandb-runs"
-    env = {**launch_env(cpu_switch=engine != "one-process"), "WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir),
-           "WANDB_SILENT": "true"}
-    args = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
-            *[a if a != "tensorboard" else "wandb" for a in FLAGS], "--max_steps", "3", "--learning_rate", "3e-3"]
-    if engine == "one-process":
-        result = run_command([sys.executable, str(REPO / "train.py"), *args, "--output_dir", str(out), "--bf16",
-                              "False"], out, env=env)
-    else:
-        result = launch_train("cpu/fsdp2_config.yaml", out, args, env=env)
-    assert result.returncode == 0, result.output[-4000:]
+    wandb_dir = tmp_path / "wandb-runs"
+    result = _train_reporting_to("wandb", engine, tiny, tmp_path / "out", {
+        "WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"})
     run_files = sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(run_files) == 1, sorted(str(p) for p in wandb_dir.rglob("*"))  # one run, also under FSDP
     records = _wandb_records(run_files[0])
@@ -129,17 +135,9 @@ def test_report_to_mlflow_on_a_local_store_holds_the_runs_losses_and_flags(engin
     pytest.importorskip("mlflow")  # requirements-dev.txt installs mlflow-skinny
     from mlflow import MlflowClient
 
-    out, store = tmp_path / "out", f"file://{tmp_path / 'mlruns'}"
-    env = {**launch_env(cpu_switch=engine != "one-process"), "MLFLOW_TRACKING_URI": store,
-           "MLFLOW_ALLOW_FILE_STORE": "true", "MLFLOW_EXPERIMENT_NAME": "sft"}
-    args = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
-            *[a if a != "tensorboard" else "mlflow" for a in FLAGS], "--max_steps", "3", "--learning_rate", "3e-3"]
-    if engine == "one-process":
-        result = run_command([sys.executable, str(REPO / "train.py"), *args, "--output_dir", str(out), "--bf16",
-                              "False"], out, env=env)
-    else:
-        result = launch_train("cpu/fsdp2_config.yaml", out, args, env=env)
-    assert result.returncode == 0, result.output[-4000:]
+    store = f"file://{tmp_path / 'mlruns'}"
+    result = _train_reporting_to("mlflow", engine, tiny, tmp_path / "out", {
+        "MLFLOW_TRACKING_URI": store, "MLFLOW_ALLOW_FILE_STORE": "true", "MLFLOW_EXPERIMENT_NAME": "sft"})
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
         client = MlflowClient(store)
