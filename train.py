@@ -15,11 +15,13 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from sft_recipe.compat.unused_bitsandbytes import skip_unused_bitsandbytes
-from sft_recipe.config.command_line import bitsandbytes_needed
+from sft_recipe.compat.unused_imports import skip_unused_bitsandbytes, skip_unused_wandb
+from sft_recipe.config.command_line import bitsandbytes_needed, wandb_needed
 
 if __name__ == "__main__" and not bitsandbytes_needed(sys.argv[1:]):  # before PEFT imports it (0.8 CPU-s a rank)
     skip_unused_bitsandbytes()
+if __name__ == "__main__" and not wandb_needed(sys.argv[1:]):  # before TRL imports it (0.27 CPU-s a rank)
+    skip_unused_wandb()
 
 import torch
 import torch.distributed as dist

@@ -60,7 +60,7 @@ def explicitly_set(argv: list[str], config_values: dict[str, Any], name: str) ->
 
 def bitsandbytes_needed(argv: list[str]) -> bool:
     """Whether a run of train.py with `argv` may use bitsandbytes, read before the libraries load (True wherever that
-    cannot be read: a Hub id, an unreadable recipe YAML or config.json). sft_recipe/compat/unused_bitsandbytes.py
+    cannot be read: a Hub id, an unreadable recipe YAML or config.json). sft_recipe/compat/unused_imports.py
     says why a run that cannot use it should not import it."""
     from sft_recipe.config.packages import TABLE  # the settings and values that build something from bitsandbytes
 
@@ -76,6 +76,18 @@ def bitsandbytes_needed(argv: list[str]) -> bool:
             return True
     model = value_of(argv, "model_name_or_path", yaml_values.get("model_name_or_path"))
     return model is None or _base_may_be_quantized(Path(str(model)))
+
+
+def wandb_needed(argv: list[str]) -> bool:
+    """Whether a run of train.py with `argv` may report to W&B (--report_to names wandb, or all, which transformers
+    expands to what is installed), read before the libraries load (True where the recipe YAML cannot be read).
+    sft_recipe/compat/unused_imports.py says why a run that does not should not import it."""
+    yaml_values = _recipe_yaml(argv)
+    if yaml_values is None:
+        return True
+    value = value_of(argv, "report_to", yaml_values.get("report_to"))
+    names = value if isinstance(value, list) else str(value or "").replace(",", " ").split()
+    return any(str(name).strip() in ("wandb", "all") for name in names)
 
 
 def _recipe_yaml(argv: list[str]) -> dict[str, Any] | None:

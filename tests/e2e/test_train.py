@@ -62,8 +62,9 @@ def test_train_save_verify_reload(name, tiny, shared_run):
     assert result.returncode == 0, result.output[-6000:]
     assert "could not run" not in result.output  # every pre-load check ran (sft_recipe.errors.check_not_run)
     facts = result.record
-    # A run that quantizes nothing never imports bitsandbytes (sft_recipe/compat/unused_bitsandbytes.py); QLoRA does.
-    assert facts["run"]["skipped_imports"] == ([] if name.startswith("q") else ["bitsandbytes"])
+    # A run that quantizes nothing never imports bitsandbytes (sft_recipe/compat/unused_imports.py); QLoRA does.
+    # what the run cannot use stays out of its processes: bitsandbytes without quantization, wandb without W&B
+    assert facts["run"]["skipped_imports"] == (["wandb"] if name.startswith("q") else ["bitsandbytes", "wandb"])
 
     # It ran the way the config says, and FSDP really wrapped the model (accelerate can silently run DDP on CPU).
     how = facts["distribution"]

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from sft_recipe import compat
 from sft_recipe.compat import HELPERS, TRAINER_OVERRIDES, WORKAROUNDS, Workaround
 
@@ -95,6 +97,36 @@ def test_only_a_run_known_not_to_use_bitsandbytes_skips_it(tmp_path):
     assert bitsandbytes_needed(["--model_name_or_path", "meta-llama/Llama-2-70b-hf"])
     assert bitsandbytes_needed(["--model_name_or_path", plain, "--config", str(broken)])
     assert bitsandbytes_needed([])
+
+
+def test_only_a_run_that_reports_to_wandb_imports_it(tmp_path):
+    from sft_recipe.config.command_line import wandb_needed
+
+    assert wandb_needed(["--report_to", "wandb"]) and wandb_needed(["--report_to=tensorboard,wandb"])
+    assert wandb_needed(["--report_to", "all"])  # transformers expands it to what is installed
+    assert not wandb_needed([]) and not wandb_needed(["--report_to", "none"])
+    assert not wandb_needed(["--report_to", "tensorboard"])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("report_to: [tensorboard, wandb]\n")
+    assert wandb_needed(["--config", str(recipe)])
+    assert not wandb_needed(["--config", str(recipe), "--report_to", "none"])  # the command line wins
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("report_to: [\n")
+    assert wandb_needed(["--config", str(broken)])  # unreadable: kept
+
+
+def test_importing_trls_trainer_still_imports_wandb():
+    """Why skip_unused_wandb exists: TRL's trainer module imports wandb whenever it is installed; kept out, it does
+    not, and transformers then finds it unavailable."""
+    pytest.importorskip("wandb")  # requirements-dev.txt installs it: without it there is nothing to keep out
+    code = "import sys; import trl.trainer.base_trainer; print('wandb' in sys.modules)"
+    kept_out = ("import sys; from sft_recipe.compat.unused_imports import skip_unused_wandb, skipped_imports; "
+                "skip_unused_wandb(); import trl.trainer.base_trainer; from transformers import is_wandb_available; "
+                "print(sys.modules['wandb'] is None, is_wandb_available(), skipped_imports())")
+    for program, expected in ((code, "True"), (kept_out, "True False ['wandb']")):
+        out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip().splitlines()[-1] == expected
 
 
 def test_importing_bitsandbytes_still_imports_inductor():

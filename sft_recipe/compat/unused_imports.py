@@ -1,0 +1,51 @@
+"""Keep bitsandbytes and wandb out of a launched run that will not use them.
+
+Behaviour (bitsandbytes 0.50, torch 2.13): importing bitsandbytes wraps four of its kernels in `torch.compile` at
+import time (`backends/default/ops.py`, `_try_torch_compile`), and that call imports `torch._inductor.compile_fx`:
+0.7-0.8 s of CPU in every process. PEFT imports bitsandbytes whenever it is installed (`peft/helpers.py`), and
+transformers imports PEFT while train.py imports the trainer: so every rank of every run paid it, LoRA runs that
+never quantize included. On a two-rank CPU launch of the tiny model that was 1.6 of 13.8 CPU seconds.
+
+Behaviour (trl 1.16, wandb 0.31): `trl/trainer/base_trainer.py` imports wandb at import time whenever it is installed
+(for a model card's link), and wandb's import brings pydantic, click and protobuf: ~0.27 s in every process of every
+run, whatever --report_to says.
+
+What this does: before the libraries load, where `config.command_line` finds that the run cannot use one
+(`bitsandbytes_needed`: no 4-/8-bit quantization, no bitsandbytes optimizer, a local base that is not quantized;
+`wandb_needed`: --report_to names neither wandb nor all; anything it cannot read keeps it),
+`sys.modules[name] = None` makes every `import name` fail as if it were not installed, and
+`importlib.util.find_spec` (how transformers, PEFT and TRL decide availability) answers None.
+
+When it can go: `tests/unit/test_compat.py::test_importing_bitsandbytes_still_imports_inductor` fails (bitsandbytes
+stops compiling at import); `tests/unit/test_compat.py::test_importing_trls_trainer_still_imports_wandb` fails (TRL
+stops importing wandb at import).
+"""
+
+from __future__ import annotations
+
+import sys
+
+KEPT_OUT = ("bitsandbytes", "wandb")  # what a run may keep out
+
+
+def _keep_out(name: str) -> bool:
+    if name in sys.modules:  # something imported it already
+        return False
+    sys.modules[name] = None  # type: ignore[assignment]  # the import system's "not importable" marker
+    return True
+
+
+def skip_unused_bitsandbytes() -> bool:
+    """Keep bitsandbytes out of this process (the caller decided the run will not use it); True if it was kept out,
+    False where something imported it already."""
+    return _keep_out("bitsandbytes")
+
+
+def skip_unused_wandb() -> bool:
+    """Keep wandb out of this process (the caller decided the run does not report to it); as above."""
+    return _keep_out("wandb")
+
+
+def skipped_imports() -> list[str]:
+    """What this process kept out (the run record's `run.skipped_imports`)."""
+    return [name for name in KEPT_OUT if name in sys.modules and sys.modules[name] is None]
