@@ -50,7 +50,7 @@ from sft_recipe.preflight.file_checks import check_tokenizer
 from sft_recipe.preflight.validate import validate
 from sft_recipe.train.divergence import DIVERGED_EXIT_CODE, Diverged
 from sft_recipe.train.gptq import checkpoint_quant_method  # a GPTQ base is recorded as quantization "gptq"
-from sft_recipe.train.lost_rank import LostRank, lost_a_rank, lost_rank_message
+from sft_recipe.train.lost_rank import LostRank, lost_a_rank, lost_rank_message, lost_rank_said
 from sft_recipe.train.model import added_token_ids, load_model, load_tokenizer, lora_config, untrained_token_note
 from sft_recipe.train.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_FILE, Preempted, StopAtStepEnd
 from sft_recipe.train.quantized_identity import check_quantized_base_identical
@@ -132,13 +132,10 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
 
     # 5. Train. SIGTERM/SIGUSR1/Ctrl-C on any rank: every rank checkpoints at the same step, then we exit to be
     #    resumed. Divergence: every rank stops at that step; the record and loss curve show where, nothing is saved.
-    try:
+    # A collective that fails because another rank is gone (here, in the save and in the push) is said in one line
+    # naming the newest intact checkpoint (run()); before training, in one saying nothing was written.
+    with lost_rank_said(launch.rank, training_args.output_dir):
         trainer.train(resume_from_checkpoint=resume_from)
-    except RuntimeError as e:  # a collective that failed because another rank is gone: said in one line (run())
-        if not lost_a_rank(e):
-            raise
-        newest = next(iter(intact_checkpoints(training_args.output_dir)), None)
-        raise LostRank(lost_rank_message(launch.rank, e, str(newest) if newest else None)) from None
     try:
         stopper.raise_if_stopped(training_args.output_dir, intact_checkpoints)
     except Diverged:
@@ -147,8 +144,9 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
         raise
 
     # 6. Save the FULL_STATE_DICT adapter (all ranks take part) and verify it before it replaces anything.
-    final_save = save_final_adapter(trainer, training_args.output_dir, verify=recipe_args.verify_adapter,
-                                    trust_remote_code=training_args.trust_remote_code)
+    with lost_rank_said(launch.rank, training_args.output_dir):
+        final_save = save_final_adapter(trainer, training_args.output_dir, verify=recipe_args.verify_adapter,
+                                        trust_remote_code=training_args.trust_remote_code)
     # quantization: merge_adapter.py reads it to merge a QLoRA/GPTQ adapter into the bf16 base, never the 4-bit one.
     record.write(training_args.output_dir, final_save=final_save,  # run_record.json + loss_curve.png
                  run=run_facts(model_args, data_args, recipe_args, training_args))
@@ -157,7 +155,8 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
 
     # 7. Publish (every rank calls push_to_hub: it saves collectively, then the main process uploads).
     if training_args.push_to_hub:
-        trainer.push_to_hub()
+        with lost_rank_said(launch.rank, training_args.output_dir):
+            trainer.push_to_hub()
     elif recipe_args.defer_push_to_hub and trainer.accelerator.is_main_process:
         repo = training_args.hub_model_id or os.path.basename(os.path.abspath(training_args.output_dir))
         print(f"Push deferred. Upload later with: {deferred_upload_command(repo, training_args, final_save)}",
@@ -235,7 +234,7 @@ def run(launch: LaunchEnv) -> int:
     except LostRank as e:  # another rank died (SIGKILL, a crash) mid-collective: one line per survivor, no traceback
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
-    except RuntimeError as e:  # ...or before training, in a collective of the data, the load or the trainer's set-up
+    except RuntimeError as e:  # ...or before training (the data's hand-over, the 4-bit state, the trainer's set-up)
         if not lost_a_rank(e):
             raise
         print(f"error: {lost_rank_message(launch.rank, e, None, before_training=True)}", file=sys.stderr, flush=True)

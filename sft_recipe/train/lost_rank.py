@@ -8,6 +8,7 @@ checkpoint was written (scripts/lib/launch_common.sh).
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 # How torch's transports say that the other end of a collective is gone (gloo over TCP, NCCL, the store).
@@ -18,6 +19,21 @@ _PEER_GONE = re.compile(r"Connection reset by peer|Connection closed by peer|Bro
 
 class LostRank(Exception):
     """Raised on a surviving rank with lost_rank_message; train.py prints it and exits 1."""
+
+
+@contextlib.contextmanager
+def lost_rank_said(rank: int, output_dir: str):
+    """Inside, a collective that fails because another rank is gone becomes LostRank: the one line, with the newest
+    intact checkpoint of `output_dir` and the resume command (training, the final save, the push)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not lost_a_rank(e):
+            raise
+        from sft_recipe.artifacts.checkpoints import intact_checkpoints
+
+        newest = next(iter(intact_checkpoints(output_dir)), None)
+        raise LostRank(lost_rank_message(rank, e, str(newest) if newest else None)) from None
 
 
 def lost_a_rank(error: BaseException | None) -> bool:
