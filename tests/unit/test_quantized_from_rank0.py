@@ -48,7 +48,7 @@ def test_the_run_and_the_plan_agree_on_who_loads(version, efficient, quant, rank
     (True, 1, True, 8, True),    # ... on 8
     (True, 1, True, 1, False),   # one rank: it is rank 0's own copy anyway
     (True, 1, False, 2, False),  # without cpu_ram_efficient_loading FSDP1 syncs nothing: every rank loads
-    (True, 2, True, 2, False),   # FSDP2's preparation broadcasts no 4-bit weights (train/quantized_from_rank0.py says why)
+    (True, 2, True, 2, False),   # FSDP2's preparation broadcasts no 4-bit weights (quantized_from_rank0.py says why)
     (True, None, True, 2, False),  # not FSDP (DDP, DeepSpeed)
     (False, 1, True, 2, False),  # a 16-bit base: accelerate's own rank-0 load, not this rule
 ])
