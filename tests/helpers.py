@@ -83,7 +83,7 @@ def start_train(config: str, output_dir: Path, args: list[str], env: dict | None
     that act on a run while it trains (signals, a second launch)."""
     cmd = [*accelerate_launch(), "--config_file", str(REPO / "configs" / config),
            "--main_process_port", str(free_port()), "train.py", "--output_dir", str(output_dir), *args]
-    log = open(output_dir.parent / f"{output_dir.name}.log", "w+")
+    log = open(output_dir.parent / f"{output_dir.name}.log", "w+", errors="replace")
     return subprocess.Popen(cmd, cwd=REPO, env=env or launch_env(), stdout=log, stderr=subprocess.STDOUT,
                             text=True), log
 
@@ -120,7 +120,7 @@ def start_two_machines(config: str, script: str, args: list[str], log_dir: Path,
     port = str(free_port())
     machines = []
     for machine_rank in (0, 1):
-        log = open(log_dir / f"machine-{machine_rank}.log", "w+")
+        log = open(log_dir / f"machine-{machine_rank}.log", "w+", errors="replace")
         cmd = [*accelerate_launch(), "--config_file", str(REPO / "configs" / config),
                "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine_rank),
                "--main_process_ip", "127.0.0.1", "--main_process_port", port, *launcher_args, script, *args]

@@ -99,7 +99,7 @@ def test_slurm_script_preempted_by_usr1_requeues_then_resumes(tiny, tmp_path):
         return env
 
     out = tmp_path / "out"
-    log = open(tmp_path / "job.log", "w+")
+    log = open(tmp_path / "job.log", "w+", errors="replace")
     script = subprocess.Popen(["bash", str(REPO / "run_peft_slurm.sh"), *cpu_flags], cwd=tmp_path, env=env_for(),
                               stdout=log, stderr=subprocess.STDOUT)
     try:
