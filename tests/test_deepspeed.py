@@ -201,6 +201,7 @@ def test_zero3_trains_what_fsdp2_trains_and_the_adapter_loads(tiny, tmp_path):
     how = facts["distribution"]
     assert (how["distributed_type"], how["wrapped_class"], how["num_processes"]) == \
         ("DEEPSPEED", "DeepSpeedEngine", 2)
+    assert "deepspeed" not in facts["run"]["skipped_imports"]  # a DeepSpeed launch keeps what it runs on
     assert facts["weights"]["frozen_changed"] is False and facts["weights"]["trainable_changed"] is True
     assert "adapter check OK" in zero3.output
     # One process prepared the data, the other read its copy.

@@ -51,7 +51,12 @@ from sft_recipe.compat.quantized_load import quantize_each_weight_on, quantized_
 from sft_recipe.compat.trainable_tokens import merge_trainable_tokens_on_dtensor
 from sft_recipe.compat.trl_fused_head import fused_head_reads_what_it_needs
 from sft_recipe.compat.trl_prepare import without_rank_barriers
-from sft_recipe.compat.unused_imports import skip_unused_bitsandbytes, skip_unused_wandb, skipped_imports
+from sft_recipe.compat.unused_imports import (
+    skip_unused_bitsandbytes,
+    skip_unused_deepspeed,
+    skip_unused_wandb,
+    skipped_imports,
+)
 from sft_recipe.model.kernels import packing_kernel_gaps
 
 logger = logging.getLogger(__name__)
@@ -117,6 +122,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround("skip_unused_wandb", "trl", ">=1.16", "1.16.0",
                "tests/unit/test_compat.py::test_importing_trls_trainer_still_imports_wandb fails (TRL no longer "
                "imports wandb at import: nothing left to save by not importing it)"),
+    Workaround("skip_unused_deepspeed", "accelerate", ">=1.0", "1.15.0",
+               "tests/unit/test_compat.py::test_accelerates_unwrapping_still_imports_deepspeed fails (accelerate no "
+               "longer imports DeepSpeed to unwrap a model: nothing left to save by not importing it)"),
     Workaround("skip_unused_bitsandbytes", "bitsandbytes", ">=0.50", "0.50.2",
                "tests/unit/test_compat.py::test_importing_bitsandbytes_still_imports_inductor fails (bitsandbytes "
                "no longer compiles its kernels at import: nothing left to save by not importing it)"),
@@ -240,6 +248,6 @@ __all__ = [
     "module_names_without_fsdp_segments", "packing_kernel_gaps",
     "quantize_each_weight_on", "quantized_base_device_map", "save_embedding_layers_for", "without_rank_barriers",
     "restore_bnb_4bit_storage_layout", "strip_wrapper_segments", "trainable_tokens_lm_head_bias",
-    "trainer_override_drift", "skip_unused_bitsandbytes", "skip_unused_wandb",
+    "trainer_override_drift", "skip_unused_bitsandbytes", "skip_unused_deepspeed", "skip_unused_wandb",
     "skipped_imports",
 ]

@@ -90,6 +90,17 @@ def wandb_needed(argv: list[str]) -> bool:
     return any(str(name).strip() in ("wandb", "all") for name in names)
 
 
+def deepspeed_needed(argv: list[str], launched_on_deepspeed: bool) -> bool:
+    """Whether a run of train.py with `argv` may use DeepSpeed: launched on it (config.launch_env.may_use_deepspeed)
+    or given --deepspeed (a DeepSpeed JSON, the Trainer's own way in), read before the libraries load (True where the
+    recipe YAML cannot be read). sft_recipe/compat/unused_imports.py says why a run that does not should not import
+    it."""
+    yaml_values = _recipe_yaml(argv)
+    if launched_on_deepspeed or yaml_values is None:
+        return True
+    return bool(value_of(argv, "deepspeed", yaml_values.get("deepspeed")))
+
+
 def _recipe_yaml(argv: list[str]) -> dict[str, Any] | None:
     """The `--config` recipe YAML's values ({} without one), or None where it cannot be read."""
     path = value_of(argv, "config")

@@ -185,3 +185,17 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
 
         raise ConfigError(problems)
     return launch
+
+
+def may_use_deepspeed(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the launcher started a DeepSpeed run (an accelerate config with DeepSpeed, or sequence parallelism on
+    DeepSpeed's Ulysses), read before the libraries load (sft_recipe/compat/unused_imports.py says why); True where a
+    variable cannot be read (read_launch_env names it as train.py starts)."""
+    from sft_recipe.errors import ConfigError
+
+    try:
+        launch = read_launch_env(environ)
+    except ConfigError:
+        return True
+    return launch.use_deepspeed or launch.sequence_parallel_backend == "deepspeed"
+

@@ -102,8 +102,13 @@ def main() -> None:
                         help="also run lora-chatml on this (larger) model, written as big-lora-chatml.json")
     args, extra = parser.parse_known_args()
 
+    from sft_recipe.compat.unused_imports import skip_unused_deepspeed, skip_unused_wandb
+    from sft_recipe.config.launch_env import may_use_deepspeed, read_launch_env
+
+    skip_unused_wandb()  # as train.py keeps out what a run does not use: it reports to none
+    if not may_use_deepspeed():  # and DeepSpeed off its own launch
+        skip_unused_deepspeed()
     from sft_recipe import compat
-    from sft_recipe.config.launch_env import read_launch_env
 
     launch = read_launch_env()
     compat.install(launch)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from sft_recipe import compat
 from sft_recipe.compat import HELPERS, TRAINER_OVERRIDES, WORKAROUNDS, Workaround
 
@@ -127,9 +129,53 @@ def test_importing_trls_trainer_still_imports_wandb(monkeypatch):
     assert "wandb" in top_level_imports
     from sft_recipe.compat.unused_imports import skip_unused_wandb, skipped_imports
 
-    monkeypatch.delitem(sys.modules, "wandb", raising=False)  # as before this test when it ends
+    monkeypatch.setitem(sys.modules, "wandb", None)  # whatever was there comes back when the test ends
+    del sys.modules["wandb"]
     assert skip_unused_wandb() and sys.modules["wandb"] is None and "wandb" in skipped_imports()
     assert importlib.util.find_spec("wandb") is None and not is_wandb_available()
+
+
+def test_only_a_deepspeed_run_imports_deepspeed(tmp_path):
+    from sft_recipe.config.command_line import deepspeed_needed
+    from sft_recipe.config.launch_env import may_use_deepspeed
+
+    assert may_use_deepspeed({"ACCELERATE_USE_DEEPSPEED": "true"})
+    assert may_use_deepspeed({"ACCELERATE_USE_DEEPSPEED": "1"})
+    assert not may_use_deepspeed({}) and not may_use_deepspeed({"ACCELERATE_USE_FSDP": "true"})
+    # sequence parallelism on DeepSpeed's Ulysses
+    assert may_use_deepspeed({"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": "2"})
+    assert may_use_deepspeed({"ACCELERATE_USE_DEEPSPEED": "maybe"})  # unreadable: kept (train.py then names it)
+    assert deepspeed_needed([], launched_on_deepspeed=True)
+    assert not deepspeed_needed(["--report_to", "none"], launched_on_deepspeed=False)
+    assert deepspeed_needed(["--deepspeed", "ds_config.json"], launched_on_deepspeed=False)  # the Trainer's own way
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("deepspeed: ds_config.json\n")
+    assert deepspeed_needed(["--config", str(recipe)], launched_on_deepspeed=False)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("deepspeed: [\n")
+    assert deepspeed_needed(["--config", str(broken)], launched_on_deepspeed=False)  # unreadable: kept
+
+
+def test_accelerates_unwrapping_still_imports_deepspeed(monkeypatch):
+    """Why skip_unused_deepspeed exists: accelerate's extract_model_from_parallel, which every run's set-up calls,
+    imports DeepSpeed whenever it is installed (1.2 CPU-s); kept out, accelerate finds it unavailable."""
+    pytest.importorskip("deepspeed")  # requirements-dev.txt installs it
+    code = ("import sys, torch; from accelerate.utils import extract_model_from_parallel; "
+            "assert 'deepspeed' not in sys.modules; m = torch.nn.Linear(2, 2); "
+            "assert extract_model_from_parallel(m) is m; print('deepspeed' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"
+    import importlib.util
+
+    from accelerate.utils import is_deepspeed_available
+
+    from sft_recipe.compat.unused_imports import skip_unused_deepspeed, skipped_imports
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # whatever was there comes back when the test ends
+    del sys.modules["deepspeed"]
+    assert skip_unused_deepspeed() and sys.modules["deepspeed"] is None and "deepspeed" in skipped_imports()
+    assert importlib.util.find_spec("deepspeed") is None and not is_deepspeed_available()
 
 
 def test_importing_bitsandbytes_still_imports_inductor():
