@@ -59,6 +59,7 @@ from sft_recipe.train.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_FILE, P
 from sft_recipe.train.quantized_identity import check_quantized_base_identical
 from sft_recipe.train.record import RunRecord
 from sft_recipe.train.start_adapter import load_start_adapter
+from sft_recipe.train.trackers import PlanToTrackers, plan_for_trackers
 from sft_recipe.train.trainer import RecipeSFTTrainer
 
 logger = logging.getLogger("train")
@@ -125,6 +126,8 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
     confirm_report(report, data, trainer.train_dataset, training_args, launch.is_main_process)  # the trainer's counts
     record = RunRecord.attach(trainer, recipe_args.peak_tflops_per_device)  # how it ran, tokens/s, memory, losses
     record.set("data", **data.preparation)  # which ranks prepared the data, which read their copy
+    if plan := plan_for_trackers(model_args, data_args, training_args, launch):  # W&B, MLflow: beside the measured
+        trainer.add_callback(PlanToTrackers(plan, training_args.report_to))
     # Every rank stops at the same step end on SIGTERM/SIGUSR1/Ctrl-C (checkpointed) or a non-finite loss or
     # gradient norm on any rank (nothing saved).
     stopper = StopAtStepEnd(trainer, trainer.step_health if recipe_args.stop_on_nonfinite else None,

@@ -199,3 +199,11 @@ def may_use_deepspeed(environ: Mapping[str, str] | None = None) -> bool:
         return True
     return launch.use_deepspeed or launch.sequence_parallel_backend == "deepspeed"
 
+
+def gpu_memory_bytes(launch: LaunchEnv) -> int | None:
+    """Total memory of this rank's GPU, or None where the run does not train on a CUDA GPU."""
+    import torch
+
+    if launch.use_cpu or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(launch.local_rank % torch.cuda.device_count()).total_memory

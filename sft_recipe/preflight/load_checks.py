@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from sft_recipe.config.args import DataTrainingArguments, ModelArguments
-from sft_recipe.config.launch_env import LaunchEnv
+from sft_recipe.config.launch_env import LaunchEnv, gpu_memory_bytes
 from sft_recipe.errors import check_not_run
 
 logger = logging.getLogger(__name__)
@@ -13,15 +13,6 @@ logger = logging.getLogger(__name__)
 GIB = 2 ** 30
 FSDP_QLORA_COMMAND = ("accelerate launch --config_file configs/fsdp_config_qlora.yaml train.py ... "
                       "(bash run_peft_qlora_fsdp.sh)")
-
-
-def gpu_memory_bytes(launch: LaunchEnv) -> int | None:
-    """Total memory of this rank's GPU, or None where the run does not train on a CUDA GPU."""
-    import torch
-
-    if launch.use_cpu or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(launch.local_rank % torch.cuda.device_count()).total_memory
 
 
 def quantized_base_bytes(m: ModelArguments, d: DataTrainingArguments, t) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -63,11 +64,15 @@ def test_report_to_tensorboard_writes_its_event_files_in_output_dir(engine, tiny
     assert [event.value for event in scalars] == pytest.approx(losses, rel=1e-5)
 
 
+def _tracker_args(logger: str, tiny) -> list[str]:
+    return ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
+            *[a if a != "tensorboard" else logger for a in FLAGS], "--max_steps", "3", "--learning_rate", "3e-3"]
+
+
 def _train_reporting_to(logger: str, engine: str, tiny, out, env: dict):
     """3 steps at 3e-3 reporting to `logger`, as `python train.py` ("one-process") or under FSDP2; asserts it ran."""
     env = {**launch_env(cpu_switch=engine != "one-process"), **env}
-    args = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
-            *[a if a != "tensorboard" else logger for a in FLAGS], "--max_steps", "3", "--learning_rate", "3e-3"]
+    args = _tracker_args(logger, tiny)
     if engine == "one-process":
         result = run_command([sys.executable, str(REPO / "train.py"), *args, "--output_dir", str(out), "--bf16",
                               "False"], out, env=env)
@@ -75,6 +80,18 @@ def _train_reporting_to(logger: str, engine: str, tiny, out, env: dict):
         result = launch_train("cpu/fsdp2_config.yaml", out, args, env=env)
     assert result.returncode == 0, result.output[-4000:]
     return result
+
+
+def _planned(logger: str, engine: str, tiny, budget_gib: float, capsys) -> dict:
+    """What `python -m sft_recipe.plan --device cpu --json` prints for the run's flags and engine, on the budget the
+    tracker shows (the machine's RAM, which the test does not know)."""
+    from sft_recipe.plan.cli import main as plan_cli
+
+    engine_flags = [] if engine == "one-process" else ["--config_file", str(REPO / "configs/cpu/fsdp2_config.yaml")]
+    capsys.readouterr()
+    assert plan_cli(["--device", "cpu", "--json", "--gpu_memory_gib", str(budget_gib), *engine_flags,
+                     *_tracker_args(logger, tiny), "--bf16", "False"]) == 0
+    return json.loads(capsys.readouterr().out)
 
 
 def _wandb_records(run_file) -> list:
@@ -105,10 +122,11 @@ def _wandb_records(run_file) -> list:
 
 
 @pytest.mark.parametrize("engine", ["one-process", "fsdp2"])
-def test_report_to_wandb_offline_holds_the_runs_losses_and_config(engine, tiny, tmp_path):
+def test_report_to_wandb_offline_holds_the_runs_losses_and_config(engine, tiny, tmp_path, capsys):
     """`--report_to wandb` with W&B's offline mode (no account, no network), on one process and under FSDP2: one
     offline run (rank 0 alone reports), whose history holds every logged loss of the run record, the measured peak
-    memory per step, and whose config holds the run's flags (learning rate, LoRA rank, the base model)."""
+    memory per step, and whose config holds the run's flags (learning rate, LoRA rank, the base model) and the memory
+    plan the planner gives for them on this engine."""
     pytest.importorskip("wandb")  # requirements-dev.txt installs it
     wandb_dir = tmp_path / "wandb-runs"
     result = _train_reporting_to("wandb", engine, tiny, tmp_path / "out", {
@@ -125,13 +143,17 @@ def test_report_to_wandb_offline_holds_the_runs_losses_and_config(engine, tiny, 
               for item in r.config.update}
     assert config["learning_rate"] == 3e-3 and config["_name_or_path"] == str(tiny.model_dir)
     assert json.dumps(config["peft_config"]).count('"r": 4') == 1
+    plan = config["memory_plan"]
+    assert plan == _planned("wandb", engine, tiny, plan["budget_gib"], capsys)
+    assert plan["device"] == "cpu" and len(plan["per_rank_gib"]) == (1 if engine == "one-process" else 2), plan
 
 
 @pytest.mark.parametrize("engine", ["one-process", "fsdp2"])
-def test_report_to_mlflow_on_a_local_store_holds_the_runs_losses_and_flags(engine, tiny, tmp_path):
+def test_report_to_mlflow_on_a_local_store_holds_the_runs_losses_and_flags(engine, tiny, tmp_path, capsys):
     """`--report_to mlflow` on a local file store (MLFLOW_ALLOW_FILE_STORE=true: MLflow 3's opt-in), on one process
     and under FSDP2: one finished run (rank 0 alone reports) whose metric history holds every logged loss of the run
-    record and the measured peak memory, and whose parameters hold the run's flags."""
+    record and the measured peak memory, whose parameters hold the run's flags and the memory plan's headline, and
+    whose artifacts hold the whole plan the planner gives for the flags on this engine."""
     pytest.importorskip("mlflow")  # requirements-dev.txt installs mlflow-skinny
     from mlflow import MlflowClient
 
@@ -143,7 +165,12 @@ def test_report_to_mlflow_on_a_local_store_holds_the_runs_losses_and_flags(engin
         client = MlflowClient(store)
         (run,) = client.search_runs([client.get_experiment_by_name("sft").experiment_id])  # one, also under FSDP
         losses = [m.value for m in client.get_metric_history(run.info.run_id, "loss")]
+        plan = json.loads(Path(client.download_artifacts(run.info.run_id, "memory_plan.json", str(tmp_path)))
+                          .read_text())
     assert run.info.status == "FINISHED"
     assert losses == pytest.approx(result.record["training"]["losses"], rel=1e-6) and len(losses) == 3
     assert run.data.metrics["peak_memory_gib"] > 0
     assert float(run.data.params["learning_rate"]) == 3e-3 and run.data.params["_name_or_path"] == str(tiny.model_dir)
+    assert plan == _planned("mlflow", engine, tiny, plan["budget_gib"], capsys)
+    assert float(run.data.params["memory_plan/peak_gib"]) == plan["peak_gib"] > 0
+    assert run.data.params["memory_plan/setup"] == plan["setup"]
