@@ -40,8 +40,12 @@ def main() -> None:
     parser.add_argument("--upstream_load", action="store_true")
     args, train_argv = parser.parse_known_args()
 
+    from sft_recipe.compat.unused_imports import skip_unused_deepspeed
+    from sft_recipe.config.launch_env import may_use_deepspeed, read_launch_env
+
+    if not may_use_deepspeed():  # as train.py keeps DeepSpeed out of a launch that is not DeepSpeed's
+        skip_unused_deepspeed()
     from sft_recipe import compat
-    from sft_recipe.config.launch_env import read_launch_env
 
     launch = read_launch_env()
     compat.install(launch)
