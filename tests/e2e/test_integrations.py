@@ -10,14 +10,15 @@ import pytest
 
 from tests.helpers import QLORA_FLAGS, REPO, launch_env, launch_train, run_command
 
-# The FSDP runs are shared (tests/shared_runs.py: they report to TensorBoard); the rest are launched here, 2 steps:
-# one process as a plain `python train.py` (no launcher), and DeepSpeed.
+# The FSDP runs are shared (tests/shared_runs.py: they report to TensorBoard), LoRA on one process is the tracked run
+# below (it reports to TensorBoard, W&B and MLflow at once); the rest are launched here, 2 steps: QLoRA on one process
+# as a plain `python train.py` (no launcher), and DeepSpeed.
 FLAGS = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "all-linear",
          "--max_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "4", "--max_seq_len", "128",
          "--save_strategy", "no", "--eval_strategy", "no", "--seed", "3", "--report_to", "tensorboard"]
 # engine -> (the shared run, or the accelerate config (None: plain python) and flags of a launch here; the engine)
 ENGINES = {
-    "lora-one-process": ((None, ["--bf16", "False"]), ("NO", None)),
+    "lora-one-process": ("tracked", ("NO", None)),
     "qlora-one-process": ((None, QLORA_FLAGS), ("NO", None)),
     "lora-fsdp1": ("lora-fsdp1", ("FSDP", 1)),
     "qlora-fsdp2": ("qlora-fsdp2", ("FSDP", 2)),
@@ -28,14 +29,16 @@ ENGINES = {
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
-def test_report_to_tensorboard_writes_its_event_files_in_output_dir(engine, tiny, shared_run, tmp_path):
+def test_report_to_tensorboard_writes_its_event_files_in_output_dir(engine, tiny, shared_run, tracked, tmp_path):
     """`--report_to tensorboard` with LoRA/QLoRA on each engine: the run passes the up-front check (tensorboard is
     installed, requirements-dev.txt), trains, and TensorBoard's event file under output_dir/runs/ holds every logged
     loss (one file: under FSDP and DeepSpeed rank 0 alone writes it)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run, (distributed_type, fsdp_version) = ENGINES[engine]
-    if isinstance(run, str):
+    if run == "tracked":
+        result = tracked("one-process")
+    elif isinstance(run, str):
         result = shared_run(run)
     else:
         config, extra = run
@@ -64,25 +67,46 @@ def test_report_to_tensorboard_writes_its_event_files_in_output_dir(engine, tiny
     assert [event.value for event in scalars] == pytest.approx(losses, rel=1e-5)
 
 
-def _tracker_args(logger: str, tiny) -> list[str]:
-    return ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
-            *[a if a != "tensorboard" else logger for a in FLAGS], "--max_steps", "3", "--learning_rate", "3e-3"]
+def _tracker_args(tiny) -> list[str]:
+    """The tracked runs' flags: FLAGS without its --report_to (the recipe YAML names the trackers), 3 steps at 3e-3."""
+    assert FLAGS[-2:] == ["--report_to", "tensorboard"]
+    return ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir), *FLAGS[:-2],
+            "--max_steps", "3", "--learning_rate", "3e-3"]
 
 
-def _train_reporting_to(logger: str, engine: str, tiny, out, env: dict):
-    """3 steps at 3e-3 reporting to `logger`, as `python train.py` ("one-process") or under FSDP2; asserts it ran."""
-    env = {**launch_env(cpu_switch=engine != "one-process"), **env}
-    args = _tracker_args(logger, tiny)
-    if engine == "one-process":
-        result = run_command([sys.executable, str(REPO / "train.py"), *args, "--output_dir", str(out), "--bf16",
-                              "False"], out, env=env)
-    else:
-        result = launch_train("cpu/fsdp2_config.yaml", out, args, env=env)
-    assert result.returncode == 0, result.output[-4000:]
-    return result
+@pytest.fixture(scope="module")
+def tracked(tiny, tmp_path_factory):
+    """engine -> the one run of that engine ("one-process": `python train.py`, no launcher; "fsdp2") that reports to
+    W&B in its offline mode (no account, no network) and to MLflow on a local file store (MLFLOW_ALLOW_FILE_STORE=true:
+    MLflow 3's opt-in) at once, the one-process run to TensorBoard too: a recipe YAML's `report_to` list. Launched on
+    first use; each test reads what its tracker wrote (`run.output_dir.parent`: wandb-runs/, mlruns/)."""
+    runs = {}
+
+    def run(engine: str):
+        if engine not in runs:
+            root = tmp_path_factory.mktemp(f"tracked-{engine}")
+            trackers = (["tensorboard"] if engine == "one-process" else []) + ["wandb", "mlflow"]
+            recipe = root / "trackers.yaml"
+            recipe.write_text(f"report_to: [{', '.join(trackers)}]\n")
+            env = {**launch_env(cpu_switch=engine != "one-process"), "WANDB_MODE": "offline",
+                   "WANDB_DIR": str(root / "wandb-runs"), "WANDB_SILENT": "true",
+                   "MLFLOW_TRACKING_URI": f"file://{root / 'mlruns'}", "MLFLOW_ALLOW_FILE_STORE": "true",
+                   "MLFLOW_EXPERIMENT_NAME": "sft"}
+            env.pop("TENSORBOARD_LOGGING_DIR", None)
+            args, out = [*_tracker_args(tiny), "--config", str(recipe)], root / "out"
+            if engine == "one-process":
+                result = run_command([sys.executable, str(REPO / "train.py"), *args, "--output_dir", str(out),
+                                      "--bf16", "False"], out, env=env)
+            else:
+                result = launch_train("cpu/fsdp2_config.yaml", out, args, env=env)
+            assert result.returncode == 0, result.output[-4000:]
+            runs[engine] = result
+        return runs[engine]
+
+    return run
 
 
-def _planned(logger: str, engine: str, tiny, budget_gib: float, capsys) -> dict:
+def _planned(engine: str, tiny, budget_gib: float, capsys) -> dict:
     """What `python -m sft_recipe.plan --device cpu --json` prints for the run's flags and engine, on the budget the
     tracker shows (the machine's RAM, which the test does not know)."""
     from sft_recipe.plan.cli import main as plan_cli
@@ -90,7 +114,7 @@ def _planned(logger: str, engine: str, tiny, budget_gib: float, capsys) -> dict:
     engine_flags = [] if engine == "one-process" else ["--config_file", str(REPO / "configs/cpu/fsdp2_config.yaml")]
     capsys.readouterr()
     assert plan_cli(["--device", "cpu", "--json", "--gpu_memory_gib", str(budget_gib), *engine_flags,
-                     *_tracker_args(logger, tiny), "--bf16", "False"]) == 0
+                     *_tracker_args(tiny), "--bf16", "False"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -122,15 +146,14 @@ def _wandb_records(run_file) -> list:
 
 
 @pytest.mark.parametrize("engine", ["one-process", "fsdp2"])
-def test_report_to_wandb_offline_holds_the_runs_losses_and_config(engine, tiny, tmp_path, capsys):
+def test_report_to_wandb_offline_holds_the_runs_losses_and_config(engine, tiny, tracked, capsys):
     """`--report_to wandb` with W&B's offline mode (no account, no network), on one process and under FSDP2: one
     offline run (rank 0 alone reports), whose history holds every logged loss of the run record, the measured peak
     memory per step, and whose config holds the run's flags (learning rate, LoRA rank, the base model) and the memory
     plan the planner gives for them on this engine."""
     pytest.importorskip("wandb")  # requirements-dev.txt installs it
-    wandb_dir = tmp_path / "wandb-runs"
-    result = _train_reporting_to("wandb", engine, tiny, tmp_path / "out", {
-        "WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"})
+    result = tracked(engine)
+    wandb_dir = result.output_dir.parent / "wandb-runs"
     run_files = sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(run_files) == 1, sorted(str(p) for p in wandb_dir.rglob("*"))  # one run, also under FSDP
     records = _wandb_records(run_files[0])
@@ -144,12 +167,12 @@ def test_report_to_wandb_offline_holds_the_runs_losses_and_config(engine, tiny, 
     assert config["learning_rate"] == 3e-3 and config["_name_or_path"] == str(tiny.model_dir)
     assert json.dumps(config["peft_config"]).count('"r": 4') == 1
     plan = config["memory_plan"]
-    assert plan == _planned("wandb", engine, tiny, plan["budget_gib"], capsys)
+    assert plan == _planned(engine, tiny, plan["budget_gib"], capsys)
     assert plan["device"] == "cpu" and len(plan["per_rank_gib"]) == (1 if engine == "one-process" else 2), plan
 
 
 @pytest.mark.parametrize("engine", ["one-process", "fsdp2"])
-def test_report_to_mlflow_on_a_local_store_holds_the_runs_losses_and_flags(engine, tiny, tmp_path, capsys):
+def test_report_to_mlflow_on_a_local_store_holds_the_runs_losses_and_flags(engine, tiny, tracked, tmp_path, capsys):
     """`--report_to mlflow` on a local file store (MLFLOW_ALLOW_FILE_STORE=true: MLflow 3's opt-in), on one process
     and under FSDP2: one finished run (rank 0 alone reports) whose metric history holds every logged loss of the run
     record and the measured peak memory, whose parameters hold the run's flags and the memory plan's headline, and
@@ -157,9 +180,8 @@ def test_report_to_mlflow_on_a_local_store_holds_the_runs_losses_and_flags(engin
     pytest.importorskip("mlflow")  # requirements-dev.txt installs mlflow-skinny
     from mlflow import MlflowClient
 
-    store = f"file://{tmp_path / 'mlruns'}"
-    result = _train_reporting_to("mlflow", engine, tiny, tmp_path / "out", {
-        "MLFLOW_TRACKING_URI": store, "MLFLOW_ALLOW_FILE_STORE": "true", "MLFLOW_EXPERIMENT_NAME": "sft"})
+    result = tracked(engine)
+    store = f"file://{result.output_dir.parent / 'mlruns'}"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
         client = MlflowClient(store)
@@ -171,6 +193,6 @@ def test_report_to_mlflow_on_a_local_store_holds_the_runs_losses_and_flags(engin
     assert losses == pytest.approx(result.record["training"]["losses"], rel=1e-6) and len(losses) == 3
     assert run.data.metrics["peak_memory_gib"] > 0
     assert float(run.data.params["learning_rate"]) == 3e-3 and run.data.params["_name_or_path"] == str(tiny.model_dir)
-    assert plan == _planned("mlflow", engine, tiny, plan["budget_gib"], capsys)
+    assert plan == _planned(engine, tiny, plan["budget_gib"], capsys)
     assert float(run.data.params["memory_plan/peak_gib"]) == plan["peak_gib"] > 0
     assert run.data.params["memory_plan/setup"] == plan["setup"]
