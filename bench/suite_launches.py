@@ -59,9 +59,11 @@ def program_of(argv: list[str]) -> str | None:
     return None
 
 
-def cell_of(argv: list[str]) -> tuple[str, ...] | None:
+def cell_of(argv: list[str], recipe_yaml: dict | None = None) -> tuple[str, ...] | None:
     """The cell a launch exercises (program, engine, model, features), or None for a process that is not a launch
-    of the recipe's code (a tool, a check)."""
+    of the recipe's code (a tool, a check). `recipe_yaml`: the values of its `--config` YAML (the log's
+    "recipe_yaml"), which count where the command line does not give the flag; a list (report_to) is one feature per
+    value."""
     program = program_of(argv)
     if program is None:
         return None
@@ -69,9 +71,13 @@ def cell_of(argv: list[str]) -> tuple[str, ...] | None:
     features = []
     for flag, name in FEATURES.items():
         value = _value(argv, flag)
+        if value is None and (recipe_yaml or {}).get(flag.lstrip("-")) is not None:
+            given = recipe_yaml[flag.lstrip("-")]
+            value = ",".join(map(str, given)) if isinstance(given, list) else str(given)
         if value is None or value in ("False", "no", "none") and flag not in ("--chat_template_format",):
             continue
-        features.append(name if value == "True" else f"{name}={value if flag != '--resume_from_checkpoint' else '*'}")
+        for one in value.split(",") if flag == "--report_to" else [value]:
+            features.append(name if one == "True" else f"{name}={one if flag != '--resume_from_checkpoint' else '*'}")
     return (program, engine_of(argv), model, *sorted(features))
 
 
@@ -88,7 +94,7 @@ def read(path: str) -> list[dict]:
 def cells(records: list[dict]) -> dict[tuple, list[str]]:
     found: dict[tuple, list[str]] = defaultdict(list)
     for record in records:
-        cell = cell_of(record["argv"])
+        cell = cell_of(record["argv"], record.get("recipe_yaml"))
         if cell:
             found[cell].append(record["test"])
     return found

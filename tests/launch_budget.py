@@ -55,6 +55,19 @@ def launch_key(argv: list[str]) -> str:
     return " ".join(words)
 
 
+def recipe_yaml_of(argv: list[str]) -> dict | None:
+    """The values of the `--config` recipe YAML a launch names, read as it starts (a test's folder may be gone when
+    the log is read); None without one or where it cannot be read."""
+    import yaml
+
+    paths = [b for a, b in zip(argv, argv[1:]) if a == "--config"]
+    try:
+        values = yaml.safe_load(Path(paths[-1]).read_text()) if paths else None
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    return values if isinstance(values, dict) else None
+
+
 class _TimedPopen(subprocess.Popen):
     """Popen that records, once, how long its process lived (from start to the first wait/poll that saw it end)."""
 
@@ -67,6 +80,8 @@ class _TimedPopen(subprocess.Popen):
         argv = [str(a) for a in ([args] if isinstance(args, str | os.PathLike) else args)]
         self._budget_record = {"test": _CURRENT_TEST["nodeid"], "argv": argv, "recipe": is_recipe_launch(argv),
                                "seconds": None}
+        if (values := recipe_yaml_of(argv)) is not None:  # flags a recipe YAML gives count as the command line's
+            self._budget_record["recipe_yaml"] = values
         _RECORDS.append(self._budget_record)
 
     def _budget_note_end(self):

@@ -86,3 +86,25 @@ def test_the_table_counts_launches_per_file_and_names_the_repeats():
     assert is_recipe_launch(["/v/bin/python", "tests/e2e/quantized_load_worker.py"])
     assert is_recipe_launch(["bash", "run_peft_fsdp.sh"]) and is_recipe_launch(["python", "-m", "sft_recipe.plan"])
     assert not is_recipe_launch(["bash", "scripts/setup_gptq.sh"]) and not is_recipe_launch(["git", "ls-files"])
+
+
+def test_a_flag_from_the_recipe_yaml_counts_in_the_launchs_cell(tmp_path):
+    """bench/suite_launches.py's cells (what the suite exercises, compared before and after a change) read what the
+    launch's --config YAML gives, as train.py does: one run reporting to W&B and MLflow through a YAML list is both
+    cells; the command line still wins."""
+    import sys
+
+    from tests.helpers import REPO
+    from tests.launch_budget import recipe_yaml_of
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from suite_launches import cell_of
+
+    recipe = tmp_path / "trackers.yaml"
+    recipe.write_text("report_to: [wandb, mlflow]\n")
+    argv = ["python", "train.py", "--model_name_or_path", "/tmp/x/model", "--config", str(recipe)]
+    values = recipe_yaml_of(argv)
+    assert values == {"report_to": ["wandb", "mlflow"]}
+    assert cell_of(argv, values) == ("train.py", "one process (python)", "model", "report=mlflow", "report=wandb")
+    assert cell_of([*argv, "--report_to", "none"], values) == ("train.py", "one process (python)", "model")
+    assert recipe_yaml_of(["python", "train.py"]) is None and recipe_yaml_of(["x", "--config", "/nonexistent"]) is None
