@@ -29,6 +29,7 @@ from sft_recipe.compat.accelerate_fsdp import (
     keep_present_no_split_modules,
 )
 from sft_recipe.compat.cpu_module_sync import allow_fsdp1_module_sync_on_cpu, fsdp1_module_sync_allowed_on_cpu
+from sft_recipe.compat.deferred_compile import import_bitsandbytes_compiling_on_first_use
 from sft_recipe.compat.fsdp1_dtype_units import wrap_other_dtypes_apart
 from sft_recipe.compat.fsdp2_adapters import (
     adapter_parameters,
@@ -125,6 +126,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround("skip_unused_deepspeed", "accelerate", ">=1.0", "1.15.0",
                "tests/unit/test_compat.py::test_accelerates_unwrapping_still_imports_deepspeed fails (accelerate no "
                "longer imports DeepSpeed to unwrap a model: nothing left to save by not importing it)"),
+    Workaround("import_bitsandbytes_compiling_on_first_use", "bitsandbytes", ">=0.50", "0.50.2",
+               "tests/unit/test_compat.py::test_importing_bitsandbytes_still_imports_inductor fails (bitsandbytes "
+               "no longer compiles its kernels at import: nothing left to defer)"),
     Workaround("skip_unused_bitsandbytes", "bitsandbytes", ">=0.50", "0.50.2",
                "tests/unit/test_compat.py::test_importing_bitsandbytes_still_imports_inductor fails (bitsandbytes "
                "no longer compiles its kernels at import: nothing left to save by not importing it)"),
@@ -159,7 +163,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
 )
 
 # Not workarounds themselves: what they are built from (used by gather.py), and what validation asks.
-HELPERS = ("skipped_imports", "strip_wrapper_segments", "fsdp1_module_sync_allowed_on_cpu",
+HELPERS = ("skipped_imports", "compile_on_first_call", "strip_wrapper_segments", "fsdp1_module_sync_allowed_on_cpu",
            "other_dtype_modules", "with_units_for", "adapter_parameters", "check_optimizer_covers")
 
 
@@ -248,6 +252,7 @@ __all__ = [
     "module_names_without_fsdp_segments", "packing_kernel_gaps",
     "quantize_each_weight_on", "quantized_base_device_map", "save_embedding_layers_for", "without_rank_barriers",
     "restore_bnb_4bit_storage_layout", "strip_wrapper_segments", "trainable_tokens_lm_head_bias",
-    "trainer_override_drift", "skip_unused_bitsandbytes", "skip_unused_deepspeed", "skip_unused_wandb",
+    "trainer_override_drift", "import_bitsandbytes_compiling_on_first_use", "skip_unused_bitsandbytes",
+    "skip_unused_deepspeed", "skip_unused_wandb",
     "skipped_imports",
 ]
