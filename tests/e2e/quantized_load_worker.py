@@ -62,6 +62,9 @@ def main(argv: list[str]) -> None:
     out, argv = _take(argv, "--out_dir")
     out_dir = Path(out)
     perturb, argv = _take(argv, "--perturb_rank")
+    from sft_recipe.compat.deferred_compile import import_bitsandbytes_compiling_on_first_use
+
+    import_bitsandbytes_compiling_on_first_use()  # as train.py imports it for a quantized run
     from sft_recipe import compat
     from sft_recipe.config.args import parse_args
     from sft_recipe.config.launch_env import read_launch_env
