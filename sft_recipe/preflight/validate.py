@@ -94,12 +94,13 @@ def _adapter_variant_problems(m: ModelArguments, t, launch: LaunchEnv) -> list[s
                         "fails at the first step (FSDP2: \"expects uniform original parameter dtype\"; FSDP1: a "
                         "bf16/float32 matmul), also with float32 storage. Fix: DoRA without quantization under FSDP, "
                         "or QDoRA in one process.")
-    if m.train_new_tokens and fsdp_version == 1:
-        problems.append("--train_new_tokens True under FSDP1: PEFT keeps the new rows in a parameter of their own "
-                        "beside the frozen embedding, and FSDP1 flattens a unit's parameters into one tensor of one "
-                        "requires_grad (\"Must flatten tensors with uniform `requires_grad`\"); a unit of their own "
-                        "would never be gathered, since nothing calls it. Fix: FSDP2 (configs/fsdp2_config.yaml; "
-                        "CPU: configs/cpu/fsdp2_config.yaml), which trains just those rows, or one process.")
+    if m.train_new_tokens and fsdp_version == 1 and not launch.fsdp_use_orig_params:
+        problems.append("--train_new_tokens True under FSDP1 with fsdp_use_orig_params: false: PEFT keeps the new "
+                        "rows in a parameter of their own beside the frozen embedding, and FSDP1 then flattens a "
+                        "unit's parameters into one tensor of one requires_grad (\"Must flatten tensors with uniform "
+                        "`requires_grad`\"). Fix: fsdp_use_orig_params: true in the accelerate config (or `accelerate "
+                        "launch --fsdp_use_orig_params true ...`), with which FSDP1 keeps each parameter's own; or "
+                        "FSDP2 (configs/fsdp2_config.yaml); or one process.")
     if m.modules_to_save and fsdp_version == 1:
         problems.append("--lora_modules_to_save under FSDP1: TRL's fused LM head reads lm_head's weight outside "
                         "the FSDP1 unit that owns it, and saving an embed_tokens copy hangs the final gather. Fix: "

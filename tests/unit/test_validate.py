@@ -63,7 +63,7 @@ MISTAKES = {
                                    "True"], FSDP2_CPU, "(QDoRA) under FSDP2"),
     "DoRA without LoRA": (["--use_dora", "True"], {}, "--use_dora configures the LoRA adapter"),
     "trainable tokens under FSDP1": (["--use_peft_lora", "True", "--train_new_tokens", "True"], FSDP1_CPU,
-                                     "--train_new_tokens True under FSDP1"),
+                                     "--train_new_tokens True under FSDP1 with fsdp_use_orig_params: false"),
     "modules_to_save under FSDP1": (["--use_peft_lora", "True", "--lora_modules_to_save", "embed_tokens"], FSDP1_CPU,
                                     "--lora_modules_to_save under FSDP1"),
     "modules_to_save not in model": (["--use_peft_lora", "True", "--lora_modules_to_save", "wte"], {},
@@ -114,6 +114,15 @@ def test_each_mistake_is_named_with_its_fix(good, name, monkeypatch):
     problem = next((p for p in e.value.problems if expected in p), None)
     assert problem is not None, e.value.problems
     assert "fix" in problem.lower(), f"the message must name the fix: {problem}"
+
+
+def test_new_token_rows_under_fsdp1_keeping_original_parameters_pass(good, monkeypatch):
+    """With fsdp_use_orig_params: true FSDP1 keeps each parameter's requires_grad in a unit, and the rows train as in
+    one process (tests/e2e/test_adapter_variants.py): nothing is refused."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for key, value in {**FSDP1_CPU, "FSDP_USE_ORIG_PARAMS": "true"}.items():
+        monkeypatch.setenv(key, value)
+    validate(*parse_args(good + ["--use_peft_lora", "True", "--train_new_tokens", "True"]))
 
 
 def test_more_processes_than_gpus(good, monkeypatch):
