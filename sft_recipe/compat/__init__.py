@@ -100,11 +100,11 @@ WORKAROUNDS: tuple[Workaround, ...] = (
                "tests/e2e/test_resume.py FSDP1 matches the uninterrupted run without it",
                install=lambda launch: fsdp1_checkpoint_model_io_with_clean_names() or True),
     Workaround("trainable_tokens_lm_head_bias", "trl", ">=1.16", "1.16.0",
-               "tests/e2e/test_adapter_variants.py::test_new_token_rows_train_in_one_process_and_under_fsdp2 passes "
+               "tests/e2e/test_adapter_variants.py::test_new_token_rows_train_in_one_process_and_under_fsdp passes "
                "without it",
                install=lambda launch: trainable_tokens_lm_head_bias() or True),
     Workaround("merge_trainable_tokens_on_dtensor", "peft", ">=0.21", "0.21.2",
-               "tests/e2e/test_adapter_variants.py::test_new_token_rows_train_in_one_process_and_under_fsdp2 passes "
+               "tests/e2e/test_adapter_variants.py::test_new_token_rows_train_in_one_process_and_under_fsdp passes "
                "without it",
                install=lambda launch: launch.requested_fsdp_version == 2
                and (merge_trainable_tokens_on_dtensor() or True)),

@@ -77,7 +77,7 @@ def trainable_tokens_lm_head_bias() -> None:
     the module. PEFT's `TrainableTokensWrapper` answers `weight` with the merged (trainable) rows but has no `bias`,
     so the first training step raises AttributeError. Fix here: `bias` is the wrapped layer's own bias (None for
     Llama-style heads).
-    When it can go: `tests/e2e/test_adapter_variants.py::test_new_token_rows_train_in_one_process_and_under_fsdp2`
+    When it can go: `tests/e2e/test_adapter_variants.py::test_new_token_rows_train_in_one_process_and_under_fsdp`
     passes without it.
     """
     from peft.utils.other import TrainableTokensWrapper

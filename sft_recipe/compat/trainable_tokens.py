@@ -10,7 +10,7 @@ Fix here: where the base weight is a DTensor, the merge runs on full tensors: th
 gathered with `full_tensor()` (differentiable: the rows' gradient flows back to their shards), then merged as PEFT
 does. The full head is what TRL's fused head gathers right after anyway (`weight.full_tensor()`), so no extra
 memory is held for longer than that projection.
-When it can go: `tests/e2e/test_adapter_variants.py::test_new_token_rows_train_in_one_process_and_under_fsdp2`
+When it can go: `tests/e2e/test_adapter_variants.py::test_new_token_rows_train_in_one_process_and_under_fsdp`
 (its fsdp2 case) passes without it.
 """
 
