@@ -16,9 +16,12 @@ from sft_recipe.plan.result import MIB, Row
 from sft_recipe.plan.shape import ModelShape
 
 # ---- CPU calibration (peak RSS per rank, Linux glibc malloc, torch 2.13 CPU, 1 thread per rank) ----
-# Process after importing torch + transformers + trl + peft (~480 MiB) and building tokenizer, data and trainer
-# (the tiny 64 x 2 model under FSDP1 on 2 ranks: 562-579 MiB over three launches, 2026-12-03):
-CPU_FIXED_MIB = 565.0
+# Process after importing torch + transformers + trl + peft and building tokenizer, data and trainer (the tiny 64 x 2
+# model under FSDP1 on 2 ranks: 488-510 MiB over three launches, 2026-12-05; 557-570 before DeepSpeed was kept out of
+# the runs that are not DeepSpeed's, sft_recipe/compat/unused_imports.py):
+CPU_FIXED_MIB = 500.0
+# A DeepSpeed launch imports DeepSpeed (a two-rank FSDP2 launch that imported it: 576 against 512 MiB at its peak).
+CPU_DEEPSPEED_IMPORT_MIB = 64.0
 # glibc keeps freed activation memory in the heap: the RSS growth of a training step is this many times the saved
 # activations of ALL layers without checkpointing (L*T*c). Fitted on 77M-parameter 1024x8 Llama runs with T = 256 and
 # 1024 tokens (bench/memory_plan.py): without checkpointing 1.9-2.1; with it 1.0 (T=256) to 1.3 (T=1024) -- the
@@ -41,7 +44,7 @@ CPU_FSDP_STEP_UNITS = {False: 1.5, True: 1.0}
 def estimate_cpu(shape: ModelShape, w: Workload, d: Distribution, rank: int) -> tuple[list[Row], dict]:
     """Peak RSS of one rank of a CPU run (fp32, gloo), measured behaviour of this stack:
 
-    - fixed: CPU_FIXED_MIB (imports ~480 MiB + tokenizer, data, trainer).
+    - fixed: CPU_FIXED_MIB (imports + tokenizer, data, trainer), CPU_DEEPSPEED_IMPORT_MIB more under DeepSpeed.
     - checkpoint pages: safetensors are memory-mapped; every rank that reads them has the file's pages resident.
       Without FSDP the loaded tensors *are* those pages (same dtype) or keep the mapping alive (quantized models
       keep their embeddings/head in it), for the whole run. FSDP copies weights into flat shards and drops the
@@ -76,14 +79,14 @@ def estimate_cpu(shape: ModelShape, w: Workload, d: Distribution, rank: int) -> 
     layer_q = sum(lin.in_features * lin.out_features for lin in shape.layer_linears)
     unit = (layer_q / 2 + (shape.layer_params - layer_q) * w.load_bytes if w.quant == "4bit"
             else shape.layer_params * w.load_bytes)  # one unsharded decoder layer as stored
-    fixed = CPU_FIXED_MIB * MIB
+    fixed = (CPU_FIXED_MIB + (CPU_DEEPSPEED_IMPORT_MIB if d.kind == "deepspeed" else 0.0)) * MIB
     c = activation_bytes_per_token_per_layer(shape, w, "cpu")
     heap_factor = CPU_HEAP_FACTOR_CHECKPOINTING if w.gradient_checkpointing else CPU_HEAP_FACTOR_NO_CHECKPOINTING
     if w.quant:
         heap_factor *= CPU_HEAP_FACTOR_4BIT[w.gradient_checkpointing]
     heap = heap_factor * shape.num_layers * w.tokens * c
     train_state = trainable * tbytes * 2 + opt + fully_trained_bytes(shape, w)[0]  # + modules trained in full
-    rows = [Row("fixed (imports, tokenizer, data, trainer)", fixed, f"{CPU_FIXED_MIB:g} MiB measured")]
+    rows = [Row("fixed (imports, tokenizer, data, trainer)", fixed, f"{fixed / MIB:g} MiB measured")]
     if fsdp:
         shard = (shardable + replicated) / G
         units = CPU_FSDP_STEP_UNITS[w.gradient_checkpointing]
