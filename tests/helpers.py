@@ -78,12 +78,21 @@ def launch_train(config: str, output_dir: Path, args: list[str], env: dict | Non
                          launcher_args)
 
 
+def open_log(path: Path):
+    """A fresh, empty log for a child's output, open for reading too. Opened for appending: the child shares this
+    file's offset, so a test that seeks back to read it would otherwise make the child write over its own earlier
+    lines (seen: test_multinode's poll never found a line the run had printed). Undecodable bytes -- a read that
+    ends inside a progress bar's multi-byte character -- read as replacement characters."""
+    open(path, "w").close()
+    return open(path, "a+", errors="replace")
+
+
 def start_train(config: str, output_dir: Path, args: list[str], env: dict | None = None):
     """`launch_train` without waiting: (the launcher's Popen, its log open for reading beside output_dir), for tests
     that act on a run while it trains (signals, a second launch)."""
     cmd = [*accelerate_launch(), "--config_file", str(REPO / "configs" / config),
            "--main_process_port", str(free_port()), "train.py", "--output_dir", str(output_dir), *args]
-    log = open(output_dir.parent / f"{output_dir.name}.log", "w+", errors="replace")
+    log = open_log(output_dir.parent / f"{output_dir.name}.log")
     return subprocess.Popen(cmd, cwd=REPO, env=env or launch_env(), stdout=log, stderr=subprocess.STDOUT,
                             text=True), log
 
@@ -120,7 +129,7 @@ def start_two_machines(config: str, script: str, args: list[str], log_dir: Path,
     port = str(free_port())
     machines = []
     for machine_rank in (0, 1):
-        log = open(log_dir / f"machine-{machine_rank}.log", "w+", errors="replace")
+        log = open_log(log_dir / f"machine-{machine_rank}.log")
         cmd = [*accelerate_launch(), "--config_file", str(REPO / "configs" / config),
                "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine_rank),
                "--main_process_ip", "127.0.0.1", "--main_process_port", port, *launcher_args, script, *args]

@@ -25,7 +25,7 @@ import sys
 import time
 
 from sft_recipe.artifacts.checkpoints import intact_checkpoints, is_complete
-from tests.helpers import REPO, accelerate_launch, free_port, launch_env, wait_for_training
+from tests.helpers import REPO, accelerate_launch, free_port, launch_env, open_log, wait_for_training
 
 FLAGS = ["--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0",
          "--lora_target_modules", "all-linear", "--per_device_train_batch_size", "4", "--logging_steps", "1",
@@ -34,7 +34,7 @@ FLAGS = ["--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lo
 
 def _start(cmd: list[str], log_path, env=None) -> tuple[subprocess.Popen, object]:
     """A process group of its own (as a terminal's foreground job) with SIGINT at its default."""
-    log = open(log_path, "w+")
+    log = open_log(log_path)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env or launch_env(), stdout=log, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

@@ -26,6 +26,7 @@ from tests.helpers import (
     free_port,
     launch_env,
     launch_train,
+    open_log,
     rank_pid,
     wait_for_training,
 )
@@ -41,7 +42,7 @@ def _start(tiny, output_dir, extra):
     cmd = [*accelerate_launch(), "--config_file", str(REPO / "configs" / CONFIG),
            "--main_process_port", str(free_port()), "train.py", "--output_dir", str(output_dir),
            "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir), *FLAGS, *extra]
-    log = open(output_dir.parent / f"{output_dir.name}.log", "w+")
+    log = open_log(output_dir.parent / f"{output_dir.name}.log")
     return subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=log, stderr=subprocess.STDOUT, text=True), log
 
 
@@ -162,7 +163,7 @@ def test_launch_script_exits_75_when_preempted(tiny, tmp_path):
     env = launch_env()
     env.update(MODEL=str(tiny.model_dir), DATASET=str(tiny.jsonl_dir), OUTPUT_DIR=str(out),
                ACCELERATE_CONFIG="configs/cpu/fsdp2_config.yaml", NUM_PROCESSES="2")
-    log = open(tmp_path / "script.log", "w+")
+    log = open_log(tmp_path / "script.log")
     script = subprocess.Popen(["bash", "run_peft_fsdp.sh", "--use_flash_attn", "False", "--push_to_hub", "False",
                                "--max_steps", "200", "--max_seq_len", "128", "--per_device_train_batch_size", "2",
                                "--gradient_accumulation_steps", "1", "--logging_steps", "1"],

@@ -29,6 +29,7 @@ from tests.helpers import (
     launch_env,
     launch_train,
     launch_two_machines,
+    open_log,
     slurm_env,
     start_two_machines,
     wait_for_machines,
@@ -99,7 +100,7 @@ def test_slurm_script_preempted_by_usr1_requeues_then_resumes(tiny, tmp_path):
         return env
 
     out = tmp_path / "out"
-    log = open(tmp_path / "job.log", "w+", errors="replace")
+    log = open_log(tmp_path / "job.log")
     script = subprocess.Popen(["bash", str(REPO / "run_peft_slurm.sh"), *cpu_flags], cwd=tmp_path, env=env_for(),
                               stdout=log, stderr=subprocess.STDOUT)
     try:
