@@ -15,19 +15,10 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from sft_recipe.compat.deferred_compile import import_bitsandbytes_compiling_on_first_use
-from sft_recipe.compat.unused_imports import skip_unused_bitsandbytes, skip_unused_deepspeed, skip_unused_wandb
-from sft_recipe.config.command_line import bitsandbytes_needed, deepspeed_needed, wandb_needed
-from sft_recipe.config.launch_env import may_use_deepspeed
+from sft_recipe.startup import freeze_imports, frozen_import_objects, prepare_imports
 
-if __name__ == "__main__" and not bitsandbytes_needed(sys.argv[1:]):  # before PEFT imports it (0.8 CPU-s a rank)
-    skip_unused_bitsandbytes()
-elif __name__ == "__main__":  # before PEFT imports it: its import compiles kernels no CUDA or CPU run calls (0.85 s)
-    import_bitsandbytes_compiling_on_first_use()
-if __name__ == "__main__" and not wandb_needed(sys.argv[1:]):  # before TRL imports it (0.27 CPU-s a rank)
-    skip_unused_wandb()
-if __name__ == "__main__" and not deepspeed_needed(sys.argv[1:], may_use_deepspeed()):  # before accelerate (1.2 CPU-s)
-    skip_unused_deepspeed()
+if __name__ == "__main__":  # before the libraries load: no cyclic collection while they import, and what the flags
+    prepare_imports(sys.argv[1:])  # say the run cannot use (bitsandbytes, wandb, DeepSpeed) kept out
 
 import torch
 import torch.distributed as dist
@@ -64,6 +55,9 @@ from sft_recipe.train.record import RunRecord
 from sft_recipe.train.start_adapter import load_start_adapter
 from sft_recipe.train.trackers import PlanToTrackers, plan_for_trackers
 from sft_recipe.train.trainer import RecipeSFTTrainer
+
+if __name__ == "__main__":  # what the imports created is never walked again; collecting resumes for the rest
+    freeze_imports()
 
 logger = logging.getLogger("train")
 
@@ -188,7 +182,8 @@ def run_facts(model_args, data_args, recipe_args, training_args) -> dict:
             checkpoint_quant_method(model_args.model_name_or_path, training_args.trust_remote_code),
             "config": {"model": asdict(model_args), "data": asdict(data_args), "recipe": asdict(recipe_args),
                        "training": training_args.to_dict()},
-            "skipped_imports": compat.skipped_imports()}  # installed, and kept out: the run uses none of it
+            "skipped_imports": compat.skipped_imports(),  # installed, and kept out: the run uses none of it
+            "import_objects_frozen": frozen_import_objects()}  # never walked by the collector (sft_recipe/startup)
 
 
 def print_preview_and_exit(data, report, tokenizer, training_args, count: int, launch: LaunchEnv) -> None:

@@ -40,6 +40,9 @@ def main() -> None:
     parser.add_argument("--upstream_load", action="store_true")
     args, train_argv = parser.parse_known_args()
 
+    from sft_recipe.startup import freeze_imports, pause_collector
+
+    pause_collector()  # as train.py (sft_recipe/startup.py): the libraries import without the cyclic collector
     from sft_recipe.compat.unused_imports import skip_unused_deepspeed
     from sft_recipe.config.launch_env import may_use_deepspeed, read_launch_env
 
@@ -59,6 +62,8 @@ def main() -> None:
     from sft_recipe.config.args import parse_args
     from sft_recipe.measure import RssWatch, live_tensor_mib, model_state_mib, peak_rss_mib, rss_kinds_mib
     from sft_recipe.train.trainer import RecipeSFTTrainer
+
+    freeze_imports()
 
     if args.upstream_load:  # every rank reads the weights, as transformers 5.24 does without the recipe
         load_plan.weights_arrive_from_rank0 = lambda *a, **k: False

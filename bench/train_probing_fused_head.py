@@ -16,6 +16,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sft_recipe.startup import prepare_imports  # noqa: E402
+
+prepare_imports(sys.argv[1:])  # as train.py decides (sft_recipe/startup.py), before this imports the libraries
+
 import trl.trainer.utils as trl_utils  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 

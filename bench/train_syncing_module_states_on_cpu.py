@@ -14,6 +14,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sft_recipe.startup import prepare_imports  # noqa: E402
+
+prepare_imports(sys.argv[1:])  # as train.py decides (sft_recipe/startup.py), before this imports the libraries
+
 from sft_recipe.compat import allow_fsdp1_module_sync_on_cpu  # noqa: E402  (after the path)
 
 allow_fsdp1_module_sync_on_cpu()

@@ -14,6 +14,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sft_recipe.startup import prepare_imports  # noqa: E402
+
+prepare_imports(sys.argv[1:])  # as train.py decides (sft_recipe/startup.py), before this imports the libraries
 import sft_recipe.train.load_plan as load_plan  # noqa: E402  (after the path)
 
 load_plan.quantized_base_device_map = lambda model_args, launch: None

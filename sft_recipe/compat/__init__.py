@@ -29,6 +29,7 @@ from sft_recipe.compat.accelerate_fsdp import (
     keep_present_no_split_modules,
 )
 from sft_recipe.compat.cpu_module_sync import allow_fsdp1_module_sync_on_cpu, fsdp1_module_sync_allowed_on_cpu
+from sft_recipe.compat.deepspeed_cpu import skip_cpu_inference_op_build
 from sft_recipe.compat.deferred_compile import import_bitsandbytes_compiling_on_first_use
 from sft_recipe.compat.fsdp1_dtype_units import wrap_other_dtypes_apart
 from sft_recipe.compat.fsdp2_adapters import (
@@ -132,6 +133,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround("skip_unused_bitsandbytes", "bitsandbytes", ">=0.50", "0.50.2",
                "tests/unit/test_compat.py::test_importing_bitsandbytes_still_imports_inductor fails (bitsandbytes "
                "no longer compiles its kernels at import: nothing left to save by not importing it)"),
+    Workaround("skip_cpu_inference_op_build", "deepspeed", ">=0.19", "0.19.8",
+               "tests/unit/test_compat.py::test_deepspeed_still_builds_its_cpu_inference_op_at_init fails "
+               "(DeepSpeed's TorchBackend no longer builds its CPU inference op while it starts)"),
     Workaround("keep_present_no_split_modules", "accelerate", ">=1.0", "1.15.0",
                "the gemma3-multimodal FSDP2 cell of tests/e2e/test_families.py wraps without it"),
     Workaround("save_embedding_layers_for", "peft", ">=0.21", "0.21.2",
@@ -253,6 +257,6 @@ __all__ = [
     "quantize_each_weight_on", "quantized_base_device_map", "save_embedding_layers_for", "without_rank_barriers",
     "restore_bnb_4bit_storage_layout", "strip_wrapper_segments", "trainable_tokens_lm_head_bias",
     "trainer_override_drift", "import_bitsandbytes_compiling_on_first_use", "skip_unused_bitsandbytes",
-    "skip_unused_deepspeed", "skip_unused_wandb",
+    "skip_unused_deepspeed", "skip_unused_wandb", "skip_cpu_inference_op_build",
     "skipped_imports",
 ]

@@ -102,13 +102,22 @@ def main() -> None:
                         help="also run lora-chatml on this (larger) model, written as big-lora-chatml.json")
     args, extra = parser.parse_known_args()
 
+    from sft_recipe.startup import freeze_imports, pause_collector
+
+    pause_collector()  # as train.py (sft_recipe/startup.py): the libraries import without the cyclic collector
+    from sft_recipe.compat.deepspeed_cpu import skip_cpu_inference_op_build
     from sft_recipe.compat.unused_imports import skip_unused_deepspeed, skip_unused_wandb
     from sft_recipe.config.launch_env import may_use_deepspeed, read_launch_env
 
     skip_unused_wandb()  # as train.py keeps out what a run does not use: it reports to none
     if not may_use_deepspeed():  # and DeepSpeed off its own launch
         skip_unused_deepspeed()
+    else:  # and on it, builds no DeepSpeed CPU inference op
+        skip_cpu_inference_op_build()
+    import sft_recipe.train.trainer  # noqa: F401  (TRL, transformers' trainer, PEFT: imported while it pauses)
     from sft_recipe import compat
+
+    freeze_imports()
 
     launch = read_launch_env()
     compat.install(launch)

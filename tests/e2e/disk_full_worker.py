@@ -19,6 +19,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from sft_recipe.startup import prepare_imports  # noqa: E402
+
+prepare_imports(sys.argv[1:])  # as train.py decides (sft_recipe/startup.py), before this imports the libraries
+
 import sft_recipe.train.trainer as trainer_module  # noqa: E402
 
 real_save_rng_state = trainer_module.save_rng_state

@@ -38,6 +38,9 @@ def main() -> None:
     parser.add_argument("--out_dir", required=True)
     args = parser.parse_args()
 
+    from sft_recipe.startup import freeze_imports, pause_collector
+
+    pause_collector()  # as train.py (sft_recipe/startup.py): the libraries import without the cyclic collector
     from sft_recipe import compat
     from sft_recipe.config.launch_env import read_launch_env
 
@@ -59,6 +62,7 @@ def main() -> None:
         set_requires_grad_fsdp2,
     )
 
+    freeze_imports()
     torch.manual_seed(0)
     # The unsharded base model, loaded before the process group exists so that every rank gets real weights.
     reference = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()

@@ -62,13 +62,15 @@ def main(argv: list[str]) -> None:
     out, argv = _take(argv, "--out_dir")
     out_dir = Path(out)
     perturb, argv = _take(argv, "--perturb_rank")
-    from sft_recipe.compat.deferred_compile import import_bitsandbytes_compiling_on_first_use
+    from sft_recipe.startup import freeze_imports, prepare_imports
 
-    import_bitsandbytes_compiling_on_first_use()  # as train.py imports it for a quantized run
+    prepare_imports(argv)  # as train.py decides for these flags: bitsandbytes imported with its compiles deferred
     from sft_recipe import compat
     from sft_recipe.config.args import parse_args
     from sft_recipe.config.launch_env import read_launch_env
     from sft_recipe.train.model import load_model, load_tokenizer
+
+    freeze_imports()
 
     launch = read_launch_env()
     model_args, _, _, training_args = parse_args([*argv, "--output_dir", str(out_dir / "unused")], launch)

@@ -4,6 +4,7 @@ Trainer methods overridden are listed, and their signatures checked."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import subprocess
 import sys
@@ -176,6 +177,29 @@ def test_accelerates_unwrapping_still_imports_deepspeed(monkeypatch):
     del sys.modules["deepspeed"]
     assert skip_unused_deepspeed() and sys.modules["deepspeed"] is None and "deepspeed" in skipped_imports()
     assert importlib.util.find_spec("deepspeed") is None and not is_deepspeed_available()
+
+
+def test_deepspeed_still_builds_its_cpu_inference_op_at_init(monkeypatch):
+    """Why skip_cpu_inference_op_build exists: DeepSpeed's TorchBackend builds its shared-memory inference op while it
+    starts (read in its source, without the import), and the CPU accelerator has a builder for it (a C++ build on a
+    fresh machine: 21 s). Skipped, build_shm_op answers None, as it does on CUDA."""
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None:
+        pytest.skip("DeepSpeed is not installed (requirements-dev.txt installs it)")
+    root = Path(spec.origin).parent
+    backend = next(node for node in ast.parse((root / "comm" / "torch.py").read_text()).body
+                   if isinstance(node, ast.ClassDef) and node.name == "TorchBackend")
+    init = next(node for node in backend.body if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+    called = {node.func.id for node in ast.walk(init) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    assert "build_shm_op" in called
+    assert "class ShareMemCommBuilder" in (root / "ops" / "op_builder" / "cpu" / "comm.py").read_text()
+
+    from sft_recipe.compat.deepspeed_cpu import skip_cpu_inference_op_build
+
+    deepspeed_torch = importlib.import_module("deepspeed.comm.torch")  # the attribute of that name is torch itself
+
+    monkeypatch.setattr(deepspeed_torch, "build_shm_op", deepspeed_torch.build_shm_op)  # restored when the test ends
+    assert skip_cpu_inference_op_build() and deepspeed_torch.build_shm_op() is None
 
 
 def test_a_compile_deferred_to_the_first_call_compiles_once_with_the_same_arguments():
