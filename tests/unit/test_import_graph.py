@@ -104,7 +104,7 @@ def test_the_error_type_and_the_model_shape_stand_on_the_ground_floor():
 # floor is the test above's). Ground: what every room uses, knowing nothing of the rooms.
 FLOORS = [
     ("ground", {"errors", "model", "atomic", "logs", "measure", "scoring", "compat"}),
-    ("settings", {"config"}),
+    ("settings", {"config", "startup"}),
     ("data", {"data"}),
     ("plan", {"plan"}),
     ("artifacts", {"artifacts"}),
