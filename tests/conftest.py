@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `sft_recipe`, `tests.helpers`: from this checkout
 
+from sft_recipe.startup import freeze_imports, pause_collector  # noqa: E402
 from tests.helpers import REPO, remove_datasets_caches, tiny_conversation_as  # noqa: E402
 
 # In-process tests run offline, as launched ones do (helpers.launch_env): a Hub id in a test ("org/base") is then
@@ -26,6 +27,17 @@ def pytest_collection_modifyitems(items):
     for item in items:
         parts = Path(str(item.fspath)).relative_to(REPO / "tests").parts
         item.add_marker({"unit": pytest.mark.unit, "e2e": pytest.mark.e2e}.get(parts[0], pytest.mark.cli))
+
+
+def pytest_collection(session):
+    """Collecting imports torch, transformers, the library and every test module, which live as long as the worker:
+    imported without the cyclic collector and then frozen, no collection walks them again, as train.py does with its
+    imports (sft_recipe/startup.py)."""
+    pause_collector()
+
+
+def pytest_collection_finish(session):
+    freeze_imports()
 
 
 def pytest_sessionfinish(session):
