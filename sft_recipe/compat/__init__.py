@@ -41,6 +41,7 @@ from sft_recipe.compat.fsdp2_adapters import (
     set_requires_grad_fsdp2,
 )
 from sft_recipe.compat.fsdp2_buffers import load_persistent_buffers_apart
+from sft_recipe.compat.models_import_structure import cache_models_import_structure
 from sft_recipe.compat.peft_embeddings import save_embedding_layers_for
 from sft_recipe.compat.peft_names import (
     fsdp1_checkpoint_model_io_with_clean_names,
@@ -136,6 +137,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround("skip_cpu_inference_op_build", "deepspeed", ">=0.19", "0.19.8",
                "tests/unit/test_compat.py::test_deepspeed_still_builds_its_cpu_inference_op_at_init fails "
                "(DeepSpeed's TorchBackend no longer builds its CPU inference op while it starts)"),
+    Workaround("cache_models_import_structure", "transformers", ">=5.0", "5.24.0",
+               "tests/unit/test_compat.py::test_transformers_still_scans_every_model_file_to_import_its_models fails "
+               "(transformers.models no longer reads every model file when it is imported)"),
     Workaround("keep_present_no_split_modules", "accelerate", ">=1.0", "1.15.0",
                "the gemma3-multimodal FSDP2 cell of tests/e2e/test_families.py wraps without it"),
     Workaround("save_embedding_layers_for", "peft", ">=0.21", "0.21.2",
@@ -167,8 +171,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
 )
 
 # Not workarounds themselves: what they are built from (used by gather.py), and what validation asks.
-HELPERS = ("skipped_imports", "compile_on_first_call", "strip_wrapper_segments", "fsdp1_module_sync_allowed_on_cpu",
-           "other_dtype_modules", "with_units_for", "adapter_parameters", "check_optimizer_covers")
+HELPERS = ("skipped_imports", "cached_structure", "compile_on_first_call", "strip_wrapper_segments",
+           "fsdp1_module_sync_allowed_on_cpu", "other_dtype_modules", "with_units_for", "adapter_parameters",
+           "check_optimizer_covers")
 
 
 @dataclass(frozen=True)
@@ -258,5 +263,5 @@ __all__ = [
     "restore_bnb_4bit_storage_layout", "strip_wrapper_segments", "trainable_tokens_lm_head_bias",
     "trainer_override_drift", "import_bitsandbytes_compiling_on_first_use", "skip_unused_bitsandbytes",
     "skip_unused_deepspeed", "skip_unused_wandb", "skip_cpu_inference_op_build",
-    "skipped_imports",
+    "cache_models_import_structure", "skipped_imports",
 ]

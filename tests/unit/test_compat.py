@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -200,6 +201,77 @@ def test_deepspeed_still_builds_its_cpu_inference_op_at_init(monkeypatch):
 
     monkeypatch.setattr(deepspeed_torch, "build_shm_op", deepspeed_torch.build_shm_op)  # restored when the test ends
     assert skip_cpu_inference_op_build() and deepspeed_torch.build_shm_op() is None
+
+
+def test_transformers_still_scans_every_model_file_to_import_its_models():
+    """Why cache_models_import_structure exists: transformers.models builds its lazy module from a scan of every model
+    file at import (read in its source), 0.24 CPU-s a process."""
+    import transformers
+
+    models_init = Path(transformers.__file__).parent / "models" / "__init__.py"
+    assert "define_import_structure(_file)" in models_init.read_text()
+    assert len(list(models_init.parent.glob("*/modeling_*.py"))) > 300  # what that scan reads
+
+
+def test_the_models_structure_is_read_back_as_scanned_and_never_stale(tmp_path):
+    """The cached structure is the scan's, read back by the next process; a model file edited, added or removed is
+    another key (scanned again); an unwritable cache leaves the scan as it was."""
+    from sft_recipe.compat.models_import_structure import cached_structure
+
+    models = tmp_path / "models"
+    (models / "llama").mkdir(parents=True)
+    (models / "llama" / "modeling_llama.py").write_text("__all__ = ['LlamaModel']\n")
+    structure = {frozenset({"torch"}): {"llama.modeling_llama": {"LlamaModel"}}, frozenset(): {"llama.x": set()}}
+    scans = []
+
+    def scan():
+        scans.append(1)
+        return structure
+
+    cache = tmp_path / "cache"
+    assert cached_structure(models, "5.24.0", scan, cache) == structure and len(scans) == 1
+    assert cached_structure(models, "5.24.0", scan, cache) == structure and len(scans) == 1  # read, not scanned
+    assert cached_structure(models, "5.25.0", scan, cache) == structure and len(scans) == 2  # another version
+    (models / "llama" / "modeling_llama.py").write_text("__all__ = ['LlamaModel', 'LlamaForCausalLM']\n")
+    assert cached_structure(models, "5.24.0", scan, cache) == structure and len(scans) == 3  # edited: scanned
+    (models / "llama" / "configuration_llama.py").write_text("__all__ = []\n")
+    assert cached_structure(models, "5.24.0", scan, cache) == structure and len(scans) == 4  # added: scanned
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    assert cached_structure(models, "5.24.0", scan, blocked) == structure and len(scans) == 5  # cannot write: scans
+    assert not list(cache.glob("*.partial"))
+
+
+def test_transformers_own_structure_survives_the_cache(tmp_path):
+    import transformers
+    from transformers.utils import import_utils
+
+    from sft_recipe.compat.models_import_structure import cached_structure
+
+    models_init = Path(transformers.__file__).parent / "models" / "__init__.py"
+    scanned = import_utils.define_import_structure(str(models_init))
+    assert cached_structure(models_init.parent, transformers.__version__, lambda: scanned, tmp_path) == scanned
+    read = cached_structure(models_init.parent, transformers.__version__, lambda: {}, tmp_path)  # no scan: the copy
+    assert read == scanned and frozenset() in read and any("llama.modeling_llama" in m for m in read.values())
+
+
+def test_a_launched_process_imports_the_models_without_scanning_them(tmp_path):
+    """In a fresh process, as train.py installs it: the first import scans and writes the copy, the second reads it
+    and never opens a model file's source for its __all__."""
+    code = ("import builtins, sys; from sft_recipe.compat.models_import_structure import "
+            "cache_models_import_structure as c; assert c(); real = builtins.open; opened = []; "
+            "builtins.open = lambda f, *a, **k: (opened.append(str(f)), real(f, *a, **k))[1]; "
+            "import transformers.models; from transformers import LlamaConfig; builtins.open = real; "
+            "print(sum('/models/' in f and f.endswith('.py') for f in opened))")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    counts = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                             cwd=REPO)
+        assert out.returncode == 0, out.stderr[-2000:]
+        counts.append(int(out.stdout.strip().splitlines()[-1]))
+    assert counts[0] > 1000 and counts[1] < 50, counts  # the family's own few files are still read (its __init__)
+    assert len(list((tmp_path / "sft_recipe").glob("transformers-*-models-*.json"))) == 1
 
 
 def test_a_compile_deferred_to_the_first_call_compiles_once_with_the_same_arguments():
