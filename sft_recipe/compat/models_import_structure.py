@@ -25,9 +25,10 @@ import os
 from pathlib import Path
 
 
-def cache_models_import_structure() -> bool:
-    """Process-wide, before transformers.models is imported; True once installed (False where it was imported
-    already: nothing left to save)."""
+def cache_models_import_structure(cache_dir: Path) -> bool:
+    """Process-wide, before transformers.models is imported, with the copies kept in `cache_dir`
+    (config.launch_env.recipe_cache_dir); True once installed (False where it was imported already: nothing left to
+    save)."""
     import sys
 
     if "transformers.models" in sys.modules:
@@ -43,16 +44,17 @@ def cache_models_import_structure() -> bool:
     def define_import_structure(module_path, prefix=None):
         if prefix is not None or os.path.abspath(module_path) != models_init:
             return original(module_path, prefix)
-        return cached_structure(Path(models_init).parent, transformers.__version__, lambda: original(module_path))
+        return cached_structure(Path(models_init).parent, transformers.__version__, lambda: original(module_path),
+                                cache_dir)
 
     define_import_structure._sft_recipe_cached = True
     import_utils.define_import_structure = define_import_structure
     return True
 
 
-def cached_structure(models_dir: Path, version: str, scan, cache_dir: Path | None = None) -> dict:
+def cached_structure(models_dir: Path, version: str, scan, cache_dir: Path) -> dict:
     """The import structure of `models_dir`: read from the cache where its key matches, else `scan()`, written."""
-    path = (cache_dir or _cache_dir()) / f"transformers-{version}-models-{_fingerprint(models_dir)}.json"
+    path = cache_dir / f"transformers-{version}-models-{_fingerprint(models_dir)}.json"
     try:
         return _decode(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
@@ -66,10 +68,6 @@ def cached_structure(models_dir: Path, version: str, scan, cache_dir: Path | Non
     except OSError:
         pass  # a read-only or full home: every process scans, as without this
     return structure
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sft_recipe"
 
 
 def _fingerprint(models_dir: Path) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from accelerate.utils.environment import str_to_bool
@@ -198,6 +199,13 @@ def may_use_deepspeed(environ: Mapping[str, str] | None = None) -> bool:
     except ConfigError:
         return True
     return launch.use_deepspeed or launch.sequence_parallel_backend == "deepspeed"
+
+
+def recipe_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where the recipe keeps what it can rebuild (compat/models_import_structure.py): `$XDG_CACHE_HOME/sft_recipe`,
+    else `~/.cache/sft_recipe`."""
+    environ = os.environ if environ is None else environ
+    return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sft_recipe"
 
 
 def gpu_memory_bytes(launch: LaunchEnv) -> int | None:

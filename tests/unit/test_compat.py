@@ -259,7 +259,8 @@ def test_a_launched_process_imports_the_models_without_scanning_them(tmp_path):
     """In a fresh process, as train.py installs it: the first import scans and writes the copy, the second reads it
     and never opens a model file's source for its __all__."""
     code = ("import builtins, sys; from sft_recipe.compat.models_import_structure import "
-            "cache_models_import_structure as c; assert c(); real = builtins.open; opened = []; "
+            "cache_models_import_structure as c; from sft_recipe.config.launch_env import recipe_cache_dir; "
+            "assert c(recipe_cache_dir()); real = builtins.open; opened = []; "
             "builtins.open = lambda f, *a, **k: (opened.append(str(f)), real(f, *a, **k))[1]; "
             "import transformers.models; from transformers import LlamaConfig; builtins.open = real; "
             "print(sum('/models/' in f and f.endswith('.py') for f in opened))")
