@@ -1,7 +1,7 @@
 """How every cost grows with the model: ours vs upstream's path, side by side in one run, and the slopes.
 
     .venv/bin/python bench/scale.py                # 3 sizes x {one process, FSDP1, FSDP2} x {LoRA, QLoRA} (~25 min)
-    .venv/bin/python bench/scale.py --smoke        # two tiny sizes, LoRA, FSDP2 (the test suite's run, ~45 s)
+    .venv/bin/python bench/scale.py --smoke        # two tiny sizes, LoRA, FSDP2 (the test suite's run, ~35 s)
 
 Each setup is one real `accelerate launch` of bench/scale_worker.py (2 CPU ranks over gloo; 4 ranks for the middle
 size), fp32 (QLoRA: NF4, fp32 compute; bf16 storage under FSDP1, which refuses fp32 storage), 2 steps of a 64-token
@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                     for ranks in ranks_list:
                         out = root / f"{size}-{engine}-{method}-{ranks}.json"
                         run = launch(ENGINES[engine], model_dir, method, engine, ranks, out)
-                        if engine == "fsdp2" and method == "lora":
+                        # upstream's load beside ours (the smoke: at the first size only, the path still run)
+                        if engine == "fsdp2" and method == "lora" and (index == 0 or not args.smoke):
                             up = launch(ENGINES[engine], model_dir, method, engine, ranks,
                                         out.with_name(out.stem + "-upload.json"), upstream_load=True)
                             run["upstream_load_weight_mib"] = up["load_weight_mib"]

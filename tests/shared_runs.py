@@ -35,6 +35,7 @@ class SharedLaunch:
     config: str
     flags: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
+    cpu_switch: bool = True  # ACCELERATE_USE_CPU=true; DeepSpeed on CPU runs without it (tests/test_deepspeed.py)
 
     def train_args(self, tiny) -> list[str]:
         paths = {"model": tiny.model_dir, "jsonl": tiny.jsonl_dir, "disk": tiny.disk_dir,
@@ -64,7 +65,8 @@ LOGGED_IN = {"HF_TOKEN": SECRET_TOKEN}
 # beside each (grep the name to find them all).
 SHARED_LAUNCHES: dict[str, SharedLaunch] = {
     # test_train; test_checkpoint_adapters_are_verified_too (its checkpoints and a resume from checkpoint-4);
-    # test_adapter_trained_further (its adapter, trained further on every engine)
+    # test_adapter_trained_further (its adapter, trained further on every engine); test_resume_damaged (its
+    # checkpoints, damaged in copies)
     "lora-single": SharedLaunch("cpu/single.yaml", _tiny("jsonl", "chatml", *CHECKPOINTS), LOGGED_IN),
     # test_train; test_merge_after_training (FSDP1 + chatml merge); test_generation_stops (sharded checkpoints);
     # test_integrations (TensorBoard under FSDP1)
@@ -72,8 +74,9 @@ SHARED_LAUNCHES: dict[str, SharedLaunch] = {
                                LOGGED_IN),
     "lora-fsdp2": SharedLaunch("cpu/fsdp2_config.yaml", _tiny("parquet", "zephyr", "--assistant_only_loss", "True"),
                                LOGGED_IN),
-    # test_train; test_merge_after_training (QLoRA merge into the bf16 base); test_adapter_trained_further (FSDP2)
-    "qlora-single": SharedLaunch("cpu/single.yaml", _tiny("jsonl", "none", *QLORA_FLAGS), LOGGED_IN),
+    # test_train; test_merge_after_training (QLoRA merge into the bf16 base); test_adapter_trained_further (FSDP2);
+    # test_integrations (TensorBoard from QLoRA on one process)
+    "qlora-single": SharedLaunch("cpu/single.yaml", _tiny("jsonl", "none", *QLORA_FLAGS, *TENSORBOARD), LOGGED_IN),
     # test_train; test_resume (its checkpoint-4 resumed: exact on the 4-bit base)
     "qlora-fsdp1": SharedLaunch("cpu/fsdp_config.yaml", _tiny("text", "none", *QLORA_FLAGS, "--dataset_text_field",
                                                               "content", *CHECKPOINTS), LOGGED_IN),
@@ -87,6 +90,11 @@ SHARED_LAUNCHES: dict[str, SharedLaunch] = {
     "dora-fsdp2": SharedLaunch("cpu/fsdp2_config.yaml", _tiny("jsonl", "none", "--use_dora", "True"), LOGGED_IN),
     "qdora-single": SharedLaunch("cpu/single.yaml", _tiny("jsonl", "none", *QLORA_FLAGS, "--use_dora", "True"),
                                  LOGGED_IN),
+    # DeepSpeed ZeRO-3 on CPU (gloo, fp32, no CPU switch). tests/test_deepspeed.py (against FSDP2 on the same flags);
+    # test_integrations (TensorBoard under ZeRO-3)
+    "lora-zero3": SharedLaunch("cpu/deepspeed_config.yaml",
+                               _tiny("jsonl", "none", "--ddp_backend", "gloo", "--bf16", "False", *TENSORBOARD),
+                               cpu_switch=False),
 }
 
 
@@ -116,7 +124,8 @@ class SharedRuns:
                 if not result_file.exists():
                     launch = self.launches[name]
                     # TensorBoard writes under output_dir/runs/ unless the caller's environment sends it elsewhere
-                    env = {k: v for k, v in {**launch_env(), **launch.env}.items() if k != "TENSORBOARD_LOGGING_DIR"}
+                    env = {k: v for k, v in {**launch_env(launch.cpu_switch), **launch.env}.items()
+                           if k != "TENSORBOARD_LOGGING_DIR"}
                     result = launch_train(launch.config, output_dir, launch.train_args(self.tiny), env=env)
                     snapshot = _snapshot(output_dir) if output_dir.exists() else {}
                     result_file.write_text(json.dumps({"returncode": result.returncode, "output": result.output,

@@ -19,6 +19,8 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.helpers import RELATIVE_TOLERANCE, REPO, free_port, launch_env, launch_train, run_command
+from tests.helpers import TRAIN_FLAGS as HELPER_TRAIN_FLAGS
+from tests.shared_runs import SHARED_LAUNCHES, TENSORBOARD
 
 # Upstream's examples/sft configs, key for key (PEFT "DeepSpeed" guide).
 UPSTREAM_COMMON = {
@@ -191,10 +193,12 @@ def _logits_base_vs_adapter(model_dir, adapter_dir):
     return base_logits, adapted
 
 
-def test_zero3_trains_what_fsdp2_trains_and_the_adapter_loads(tiny, tmp_path):
+def test_zero3_trains_what_fsdp2_trains_and_the_adapter_loads(tiny, shared_run, tmp_path):
     pytest.importorskip("deepspeed")
     data = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir)]
-    zero3 = launch_train(CPU_TWIN, tmp_path / "zero3", [*data, *TRAIN_FLAGS, *CPU_DEEPSPEED], env=deepspeed_env())
+    zero3 = shared_run("lora-zero3")  # TRAIN_FLAGS + CPU_DEEPSPEED on the tiny jsonl data, reporting to TensorBoard
+    assert SHARED_LAUNCHES["lora-zero3"].train_args(tiny) == [*data, "--chat_template_format", "none",
+                                                              *HELPER_TRAIN_FLAGS, *CPU_DEEPSPEED, *TENSORBOARD]
     assert zero3.returncode == 0, zero3.output[-5000:]
     facts = zero3.record
     # Really DeepSpeed, on both ranks: not DDP, not one process.

@@ -52,7 +52,7 @@ def test_a_qlora_adapter_trained_further_on_its_4bit_base_under_fsdp2(tiny, shar
     assert start.returncode == 0, start.output[-4000:]
     out = tmp_path / "further"
     flags = [*SHARED_LAUNCHES["qlora-single"].train_args(tiny), "--adapter_name_or_path", str(start.output_dir),
-             "--warmup_steps", "5", "--max_steps", "1", "--save_strategy", "no"]
+             "--warmup_steps", "5", "--max_steps", "1", "--save_strategy", "no", "--report_to", "none"]
     result = launch_train("cpu/fsdp2_config.yaml", out, flags)
     assert result.returncode == 0, result.output[-5000:]
     assert f"LoRA: training the adapter at {start.output_dir} further" in result.output

@@ -8,23 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import QLORA_FLAGS, REPO, launch_env, launch_train, run_command
+from tests.helpers import REPO, launch_env, launch_train, run_command
 
-# The FSDP runs are shared (tests/shared_runs.py: they report to TensorBoard), LoRA on one process is the tracked run
-# below (it reports to TensorBoard, W&B and MLflow at once); the rest are launched here, 2 steps: QLoRA on one process
-# as a plain `python train.py` (no launcher), and DeepSpeed.
+# QLoRA on one process, the FSDP runs and ZeRO-3 are shared (tests/shared_runs.py: they report to TensorBoard); LoRA on
+# one process is the tracked run below (a plain `python train.py`, no launcher, reporting to TensorBoard, W&B and
+# MLflow at once).
 FLAGS = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "all-linear",
          "--max_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "4", "--max_seq_len", "128",
          "--save_strategy", "no", "--eval_strategy", "no", "--seed", "3", "--report_to", "tensorboard"]
-# engine -> (the shared run, or the accelerate config (None: plain python) and flags of a launch here; the engine)
+# engine -> (the shared run, or "tracked": the one-process tracked run below; what the run record must say ran)
 ENGINES = {
     "lora-one-process": ("tracked", ("NO", None)),
-    "qlora-one-process": ((None, QLORA_FLAGS), ("NO", None)),
+    "qlora-one-process": ("qlora-single", ("NO", None)),
     "lora-fsdp1": ("lora-fsdp1", ("FSDP", 1)),
     "qlora-fsdp2": ("qlora-fsdp2", ("FSDP", 2)),
-    # DeepSpeed on CPU: gloo, fp32, and no ACCELERATE_USE_CPU (tests/test_deepspeed.py says why).
-    "lora-deepspeed-zero3": (("cpu/deepspeed_config.yaml", ["--ddp_backend", "gloo", "--bf16", "False",
-                                                            "--chat_template_format", "none"]), ("DEEPSPEED", None)),
+    "lora-deepspeed-zero3": ("lora-zero3", ("DEEPSPEED", None)),
 }
 
 
@@ -36,23 +34,9 @@ def test_report_to_tensorboard_writes_its_event_files_in_output_dir(engine, tiny
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run, (distributed_type, fsdp_version) = ENGINES[engine]
-    if run == "tracked":
-        result = tracked("one-process")
-    elif isinstance(run, str):
-        result = shared_run(run)
-    else:
-        config, extra = run
-        if "deepspeed" in engine:
-            pytest.importorskip("deepspeed")
-        out = tmp_path / engine
-        env = {k: v for k, v in launch_env(cpu_switch="deepspeed" not in engine).items()
-               if k != "TENSORBOARD_LOGGING_DIR"}
-        data = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir)]
-        if config is None:
-            result = run_command([sys.executable, str(REPO / "train.py"), *data, "--output_dir", str(out), *FLAGS,
-                                  *extra], out, env=env)
-        else:
-            result = launch_train(config, out, [*data, *FLAGS, *extra], env=env)
+    if "deepspeed" in engine:
+        pytest.importorskip("deepspeed")
+    result = tracked("one-process") if run == "tracked" else shared_run(run)
     out = result.output_dir
     assert result.returncode == 0, result.output[-4000:]
     how = result.record["distribution"]

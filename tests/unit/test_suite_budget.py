@@ -44,6 +44,15 @@ def test_a_shared_run_launches_once_for_every_caller_and_every_worker(tmp_path, 
     assert first.changed() == [] and second.changed() == []
 
 
+def test_a_deepspeed_shared_run_launches_without_the_cpu_switch(tmp_path, monkeypatch):
+    envs = []
+    monkeypatch.setattr(shared_runs, "launch_train", lambda config, out, args, env=None: (envs.append(env), RunResult(
+        0, "", out))[1])
+    runs = shared_runs.SharedRuns(_tiny(tmp_path), tmp_path / "shared-runs")
+    runs("lora-zero3"), runs("lora-fsdp2")
+    assert "ACCELERATE_USE_CPU" not in envs[0] and envs[1]["ACCELERATE_USE_CPU"] == "true"
+
+
 def test_a_reader_that_writes_into_a_shared_folder_is_named(tmp_path, monkeypatch):
     _fake_launches(monkeypatch, [])
     runs = shared_runs.SharedRuns(_tiny(tmp_path), tmp_path / "shared-runs")
