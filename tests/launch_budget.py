@@ -28,7 +28,7 @@ _RECORDS: list[dict] = []
 _CURRENT_TEST = {"nodeid": "<collection>"}
 # The words that make a child process a launch of the recipe (10-15 s of start-up, docs/testing.md), not a cheap tool.
 _RECIPE_WORDS = re.compile(r"(^|/)(train\.py|merge_adapter\.py|[a-z0-9_]+_worker\.py|accelerate|torchrun|"
-                           r"accelerate\.commands\.launch|run_peft[a-z0-9_]*\.sh)$")
+                           r"accelerate\.commands\.launch|accelerate_launcher\.py|run_peft[a-z0-9_]*\.sh)$")
 _PATHISH = re.compile(r"^/(tmp|work|root|home)/")
 
 

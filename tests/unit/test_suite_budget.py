@@ -94,6 +94,9 @@ def test_the_table_counts_launches_per_file_and_names_the_repeats():
     assert lines[4].startswith("launched more than once (1 repeats)") and "test_a.py::t1" in lines[5]
     assert is_recipe_launch(["/v/bin/python", "tests/e2e/quantized_load_worker.py"])
     assert is_recipe_launch(["bash", "run_peft_fsdp.sh"]) and is_recipe_launch(["python", "-m", "sft_recipe.plan"])
+    from tests.helpers import accelerate_launch  # the tests' launcher runs a bench script: still a recipe launch
+
+    assert is_recipe_launch([*accelerate_launch(), "--config_file", "c.yaml", "bench/train_syncing_module_states.py"])
     assert not is_recipe_launch(["bash", "scripts/setup_gptq.sh"]) and not is_recipe_launch(["git", "ls-files"])
 
 
