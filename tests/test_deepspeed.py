@@ -107,8 +107,6 @@ MISTAKES = {
         {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}, "Fix: --gradient_accumulation_steps 4"),
     "ZeRO-3 without 16-bit gather": (["gloo"], {"ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "false"},
                                      "Fix: zero3_save_16bit_model: true"),
-    "new tokens under ZeRO-3": (["gloo", "--chat_template_format", "chatml", "--train_new_tokens", "True"], {},
-                                "TRL 1.16's fused LM head reads the output layer's weight without calling it"),
     "QLoRA checkpoints on CPU": (["gloo", "--use_peft_lora", "True", "--use_4bit_quantization", "True",
                                  "--save_strategy", "steps"], {}, "Fix: --save_strategy no for CPU dry runs"),
 }

@@ -51,7 +51,7 @@ from sft_recipe.compat.peft_names import (
 )
 from sft_recipe.compat.process import exit_skipping_teardown, restore_bnb_4bit_storage_layout
 from sft_recipe.compat.quantized_load import quantize_each_weight_on, quantized_base_device_map
-from sft_recipe.compat.trainable_tokens import merge_trainable_tokens_on_dtensor
+from sft_recipe.compat.trainable_tokens import collect_token_rows_off_cuda, merge_trainable_tokens_on_dtensor
 from sft_recipe.compat.trl_fused_head import fused_head_reads_what_it_needs
 from sft_recipe.compat.trl_prepare import without_rank_barriers
 from sft_recipe.compat.unused_imports import (
@@ -110,6 +110,10 @@ WORKAROUNDS: tuple[Workaround, ...] = (
                "without it",
                install=lambda launch: launch.requested_fsdp_version == 2
                and (merge_trainable_tokens_on_dtensor() or True)),
+    Workaround("collect_token_rows_off_cuda", "peft", ">=0.21", "0.21.2",
+               "the zero3 case of tests/e2e/test_adapter_variants.py::"
+               "test_new_token_rows_train_in_one_process_and_under_fsdp passes without it",
+               install=lambda launch: launch.use_deepspeed and collect_token_rows_off_cuda()),
     Workaround("module_names_without_fsdp_segments", "peft", ">=0.21", "0.21.2",
                "FSDP1 runs in tests/e2e stop logging 'adapter keys needed the FSDP1 name fix'"),
     Workaround("gather_full_state_dict", "accelerate", ">=1.0", "1.15.0",
@@ -263,5 +267,5 @@ __all__ = [
     "restore_bnb_4bit_storage_layout", "strip_wrapper_segments", "trainable_tokens_lm_head_bias",
     "trainer_override_drift", "import_bitsandbytes_compiling_on_first_use", "skip_unused_bitsandbytes",
     "skip_unused_deepspeed", "skip_unused_wandb", "skip_cpu_inference_op_build",
-    "cache_models_import_structure", "skipped_imports",
+    "cache_models_import_structure", "collect_token_rows_off_cuda", "skipped_imports",
 ]

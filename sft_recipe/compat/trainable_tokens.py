@@ -42,3 +42,40 @@ def merge_trainable_tokens_on_dtensor() -> None:
     get_merged_weights._sft_recipe_fixed = True
     TrainableTokensLayer.get_merged_weights = get_merged_weights
 
+
+
+def collect_token_rows_off_cuda() -> bool:
+    """Process-wide: PEFT's ZeRO-3 start of the trainable rows on a machine without CUDA.
+
+    Bug (peft 0.21.2): under ZeRO-3, `TrainableTokensLayer._collect_token_weights` gathers the base weight, copies the
+    new tokens' rows on rank 0 and broadcasts them; the other ranks' receiving tensor is placed on
+    `torch.device("cuda", torch.cuda.current_device())` ("right now, only CUDA is implemented"), so without CUDA every
+    rank but 0 fails with "Torch not compiled with CUDA enabled" before training. Fix: without CUDA, the receiving
+    tensor is on the weight's device (the CPU; gloo broadcasts there); with CUDA the method is PEFT's own.
+    When it can go: the zero3 case of
+    tests/e2e/test_adapter_variants.py::test_new_token_rows_train_in_one_process_and_under_fsdp passes without it.
+    """
+    import torch
+    from peft.tuners.trainable_tokens import layer as trainable_tokens_layer
+
+    layer = trainable_tokens_layer.TrainableTokensLayer
+    original = layer._collect_token_weights
+    if getattr(original, "_sft_recipe_fixed", False):
+        return True
+
+    def _collect_token_weights(self, weight, rows, embed_dim):
+        if torch.cuda.is_available():
+            return original(self, weight, rows, embed_dim)
+        import torch.distributed as dist
+
+        with trainable_tokens_layer.gather_params_ctx([weight], modifier_rank=None):
+            if dist.is_available() and dist.is_initialized() and dist.get_rank() == 0:
+                token_weights = weight[rows].clone()
+            else:
+                token_weights = torch.empty((len(rows), embed_dim), dtype=weight.dtype, device=weight.device)
+        dist.broadcast(token_weights, src=0)
+        return token_weights
+
+    _collect_token_weights._sft_recipe_fixed = True
+    layer._collect_token_weights = _collect_token_weights
+    return True

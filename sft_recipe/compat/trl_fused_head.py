@@ -16,11 +16,25 @@ where the text config has no `num_experts`, it is given the count of routed expe
 (`model.structure.expert_count`: the structure, not the config's spelling). Only the in-memory config is touched;
 the run saves adapters, never the base model's config.
 
+Bug 3 (with PEFT 0.21's trainable tokens, `--train_new_tokens`, under DeepSpeed ZeRO-3): the fused forward reads
+`lm_head.weight` without calling the head. With the new tokens' rows trained, the head is PEFT's
+TrainableTokensWrapper, whose `weight` is a plain tensor merged from the base head's weight and the rows' delta --
+read outside any ZeRO-3 gather, so from the head's empty partition -- and TRL's own gather
+(`maybe_gather_lm_head_ctx`) then fails on it ("'Tensor' object has no attribute 'ds_status'", on GPUs too). Fix:
+under ZeRO-3, when the output head holds trainable tokens, the fused forward runs inside
+`deepspeed.zero.GatheredParameters` of the base head's weight and the deltas (read, not modified: every rank keeps its
+partition), so the merged weight is the full one; TRL's gather passes over a tensor that is no ZeRO-3 parameter
+(nothing to gather: it is a fresh tensor that owns its data). The deltas' gradients flow back through the merge to
+their ZeRO-3 partitions as any parameter's do.
+
 When it can go: `tests/e2e/test_census.py` trains Llama-4-text and GraniteMoE without it (the census bench:
-`bench/families.py --types llama4_text,granitemoe,phimoe`).
+`bench/families.py --types llama4_text,granitemoe,phimoe`); Bug 3: the zero3 cell of
+`tests/e2e/test_adapter_variants.py::test_new_token_rows_train_in_one_process_and_under_fsdp` passes without it.
 """
 
 from __future__ import annotations
+
+import functools
 
 
 def _expose_backbone(model) -> None:
@@ -60,8 +74,62 @@ def fused_head_reads_what_it_needs(launch) -> bool:
     def add_fused_lm_head(model, *args, **kwargs):
         _expose_backbone(model)
         _name_the_expert_count(model)
-        return original(model, *args, **kwargs)
+        result = original(model, *args, **kwargs)
+        _gather_trainable_token_head_under_zero3(model)
+        return result
 
     add_fused_lm_head._sft_recipe_fixed = True
     sft_trainer.add_fused_lm_head = add_fused_lm_head
+    _skip_tensors_that_are_no_zero3_parameter()
     return True
+
+
+def _trainable_token_head_parameters(model) -> list:
+    """The base head's weight (and bias) and the new rows' deltas, where the output head is PEFT's trainable tokens
+    wrapper (looked up at each call: PEFT wraps the head after the fused forward is added); [] otherwise."""
+    adapter = getattr(model.get_output_embeddings(), "token_adapter", None)
+    if adapter is None:
+        return []
+    base = adapter.base_layer
+    return [p for p in (base.weight, getattr(base, "bias", None), *adapter.trainable_tokens_delta.values())
+            if p is not None]
+
+
+def _gather_trainable_token_head_under_zero3(model) -> None:
+    """Bug 3's fix on one model: under ZeRO-3, the fused forward runs with the trainable-token head gathered."""
+    fused = model.forward
+
+    @functools.wraps(fused)  # generate validates its model kwargs against this signature
+    def forward(*args, fused_lm_head=False, **kwargs):
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        params = _trainable_token_head_parameters(model) if fused_lm_head and is_deepspeed_zero3_enabled() else []
+        if params:
+            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+            # as TRL's own gather: what is available already (a persisted small parameter, or one a running
+            # submodule holds) is left to its owner; releasing it here would free it under that submodule
+            params = [p for p in params if p.ds_status != ZeroParamStatus.AVAILABLE]
+        if not params:
+            return fused(*args, fused_lm_head=fused_lm_head, **kwargs)
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return fused(*args, fused_lm_head=fused_lm_head, **kwargs)
+
+    model.forward = forward
+
+
+def _skip_tensors_that_are_no_zero3_parameter() -> None:
+    """Bug 3's other half: TRL's gather of the head passes over a plain tensor (the merged trainable-token weight)."""
+    from trl.trainer import utils as trl_utils
+
+    original = trl_utils.maybe_gather_lm_head_ctx
+    if getattr(original, "_sft_recipe_fixed", False):
+        return
+
+    def maybe_gather_lm_head_ctx(*params):
+        return original(*(p for p in params if p is None or hasattr(p, "ds_status")))
+
+    maybe_gather_lm_head_ctx._sft_recipe_fixed = True
+    trl_utils.maybe_gather_lm_head_ctx = maybe_gather_lm_head_ctx

@@ -181,14 +181,6 @@ def _deepspeed_env_problems(m: ModelArguments, t, launch: LaunchEnv) -> list[str
                         "(\"packed_weight should be [N, K/2]\"), so every checkpoint save fails. Fix: "
                         "--save_strategy no for CPU dry runs (the final adapter still saves; this bitsandbytes path is "
                         "CPU-only).")
-    new_tokens = getattr(m, "train_new_tokens", False) and m.chat_template_format != "none"
-    if zero_stage == "3" and new_tokens:
-        problems.append(f"--chat_template_format {m.chat_template_format} with --train_new_tokens True under DeepSpeed "
-                        "ZeRO-3: TRL 1.16's fused LM head reads the output layer's weight without calling it, and "
-                        "PEFT's trainable tokens answer with the new rows merged into ZeRO-3's empty partition, not "
-                        "a gathered weight (\"'Tensor' object has no attribute 'ds_status'\" at the first step, on "
-                        "GPUs too). Fix: FSDP2 (configs/fsdp2_config.yaml), which trains just those rows, or one "
-                        "process.")
     return problems
 
 

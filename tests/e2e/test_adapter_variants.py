@@ -1,7 +1,8 @@
 """What the guide lists as untested or broken, made to work (or refused up front, see tests/unit/test_validate.py):
 
-- the rows of the tokens chatml adds are trained and saved: PEFT trainable tokens in one process and under FSDP2
-  (the guide's FSDP2 settings: cpu_ram_efficient_loading), `modules_to_save` (embed_tokens, lm_head) under FSDP2;
+- the rows of the tokens chatml adds are trained and saved: PEFT trainable tokens in one process, under FSDP2
+  (the guide's FSDP2 settings: cpu_ram_efficient_loading), FSDP1 (original parameters kept) and DeepSpeed ZeRO-3
+  (the last two on the one-process run's batches: its rows), `modules_to_save` (embed_tokens, lm_head) under FSDP2;
   all reload with the standard loaders and merge, and the rows alone cost a fraction of the full matrices;
 - 8-bit (paged) AdamW from bitsandbytes checkpoints and resumes exactly in one process.
 """
@@ -14,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import RELATIVE_TOLERANCE, TRAIN_FLAGS, launch_train
+from tests.helpers import RELATIVE_TOLERANCE, TRAIN_FLAGS, launch_env, launch_train
 
 
 def _new_token_ids(out, tiny):
@@ -34,10 +35,13 @@ def _merged_embedding_rows(out, tmp_path, ids):
     return (merged.get_input_embeddings().weight[ids].detach(), merged.get_output_embeddings().weight[ids].detach())
 
 
-CONFIGS = {"single": "cpu/single.yaml", "fsdp2": "cpu/fsdp2_config.yaml", "fsdp1": "cpu/fsdp_config.yaml"}
+CONFIGS = {"single": "cpu/single.yaml", "fsdp2": "cpu/fsdp2_config.yaml", "fsdp1": "cpu/fsdp_config.yaml",
+           "zero3": "cpu/deepspeed_config.yaml"}
 # FSDP1 trains the rows keeping original parameters (the guide's YAML says false: the launcher's flag overrides it),
 # on 2 x 2 rows a step: the one-process run's batch of 4, so that its rows are the one-process rows.
-LAUNCHED_AS = {"fsdp1": (("--fsdp_use_orig_params", "true"), ["--per_device_train_batch_size", "2"])}
+# ZeRO-3 on CPU: gloo, fp32, no CPU switch (tests/test_deepspeed.py says why); 2 x 2 rows a step as well.
+LAUNCHED_AS = {"fsdp1": (("--fsdp_use_orig_params", "true"), ["--per_device_train_batch_size", "2"]),
+               "zero3": ((), ["--per_device_train_batch_size", "2", "--ddp_backend", "gloo", "--bf16", "False"])}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +58,8 @@ def new_token_runs(tiny, tmp_path_factory):
             launcher_args, extra = LAUNCHED_AS.get(engine, ((), []))
             runs[engine, how] = launch_train(CONFIGS[engine], out, [
                 "--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir),
-                "--chat_template_format", "chatml", *trained, *TRAIN_FLAGS, *extra], launcher_args=launcher_args)
+                "--chat_template_format", "chatml", *trained, *TRAIN_FLAGS, *extra], launcher_args=launcher_args,
+                env=launch_env(cpu_switch=engine != "zero3"))
         return runs[engine, how]
 
     return run
@@ -68,7 +73,8 @@ def test_new_token_rows_train_in_one_process_and_under_fsdp(new_token_runs, tiny
     assert "adapter check OK" in result.output and "keep random embedding" not in result.output
     if engine != "single":
         how = result.record["distribution"]
-        assert (how["distributed_type"], how["fsdp_version"], how["num_processes"]) == ("FSDP", int(engine[-1]), 2)
+        assert (how["distributed_type"], how["fsdp_version"], how["num_processes"]) == \
+            (("DEEPSPEED", None, 2) if engine == "zero3" else ("FSDP", int(engine[-1]), 2))
     ids = _new_token_ids(out, tiny)
     assert len(ids) == 3  # <|im_start|>, <|im_end|>, <pad>
 
@@ -89,7 +95,7 @@ def test_new_token_rows_train_in_one_process_and_under_fsdp(new_token_runs, tiny
     merged_embed, merged_head = _merged_embedding_rows(out, tmp_path, ids)
     torch.testing.assert_close(merged_embed, rows["embed"])
     torch.testing.assert_close(merged_head, rows["head"])
-    if engine == "fsdp1":  # the same batches as the one-process run: the same rows (measured: within 5e-8)
+    if engine in ("fsdp1", "zero3"):  # the one-process run's batches: the same rows (FSDP1 measured within 5e-8)
         single = load_file(str(new_token_runs("single", "rows").output_dir / "adapter_model.safetensors"))
         for key in ("model.embed_tokens", "lm_head"):
             name = f"base_model.model.{key}.token_adapter.trainable_tokens_delta"
