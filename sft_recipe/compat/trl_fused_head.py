@@ -22,10 +22,12 @@ TrainableTokensWrapper, whose `weight` is a plain tensor merged from the base he
 read outside any ZeRO-3 gather, so from the head's empty partition -- and TRL's own gather
 (`maybe_gather_lm_head_ctx`) then fails on it ("'Tensor' object has no attribute 'ds_status'", on GPUs too). Fix:
 under ZeRO-3, when the output head holds trainable tokens, the fused forward runs inside
-`deepspeed.zero.GatheredParameters` of the base head's weight and the deltas (read, not modified: every rank keeps its
-partition), so the merged weight is the full one; TRL's gather passes over a tensor that is no ZeRO-3 parameter
-(nothing to gather: it is a fresh tensor that owns its data). The deltas' gradients flow back through the merge to
-their ZeRO-3 partitions as any parameter's do.
+`deepspeed.zero.GatheredParameters` of the base head's weight and the deltas that are not available already (read,
+not modified: every rank keeps its partition; gathering an available one, a persisted small parameter, and releasing
+it at the end freed it under the submodule holding it: "Cannot free a ZeRO-3 parameter while it is still active in
+submodules", seen at step 2), so the merged weight is the full one; TRL's gather passes over a tensor that is no
+ZeRO-3 parameter (nothing to gather: it is a fresh tensor that owns its data). The deltas' gradients flow back through
+the merge to their ZeRO-3 partitions as any parameter's do.
 
 When it can go: `tests/e2e/test_census.py` trains Llama-4-text and GraniteMoE without it (the census bench:
 `bench/families.py --types llama4_text,granitemoe,phimoe`); Bug 3: the zero3 cell of
