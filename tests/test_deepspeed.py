@@ -19,7 +19,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.helpers import RELATIVE_TOLERANCE, REPO, free_port, launch_env, launch_train, run_command
-from tests.helpers import TRAIN_FLAGS as HELPER_TRAIN_FLAGS
+from tests.helpers import TRAIN_FLAGS as SHARED_TRAIN_FLAGS
 from tests.shared_runs import SHARED_LAUNCHES, TENSORBOARD
 
 # Upstream's examples/sft configs, key for key (PEFT "DeepSpeed" guide).
@@ -38,12 +38,8 @@ UPSTREAM = {
 }
 CPU_TWIN = "cpu/deepspeed_config.yaml"
 
-# Like tests/e2e/test_train.py; the chat template adds no tokens ("none").
-TRAIN_FLAGS = ["--use_peft_lora", "True", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.0",
-               "--lora_target_modules", "all-linear", "--max_steps", "8", "--per_device_train_batch_size", "4",
-               "--learning_rate", "3e-3", "--logging_steps", "1", "--packing", "True", "--max_seq_len", "128",
-               "--report_to", "none", "--save_strategy", "no", "--eval_strategy", "no", "--seed", "7",
-               "--gradient_checkpointing", "True", "--use_reentrant", "False", "--chat_template_format", "none"]
+# The shared flags (tests/helpers.py); the chat template adds no tokens ("none").
+TRAIN_FLAGS = [*SHARED_TRAIN_FLAGS, "--chat_template_format", "none"]
 CPU_DEEPSPEED = ["--ddp_backend", "gloo", "--bf16", "False"]
 
 
@@ -196,7 +192,7 @@ def test_zero3_trains_what_fsdp2_trains_and_the_adapter_loads(tiny, shared_run, 
     data = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir)]
     zero3 = shared_run("lora-zero3")  # TRAIN_FLAGS + CPU_DEEPSPEED on the tiny jsonl data, reporting to TensorBoard
     assert SHARED_LAUNCHES["lora-zero3"].train_args(tiny) == [*data, "--chat_template_format", "none",
-                                                              *HELPER_TRAIN_FLAGS, *CPU_DEEPSPEED, *TENSORBOARD]
+                                                              *SHARED_TRAIN_FLAGS, *CPU_DEEPSPEED, *TENSORBOARD]
     assert zero3.returncode == 0, zero3.output[-5000:]
     facts = zero3.record
     # Really DeepSpeed, on both ranks: not DDP, not one process.
