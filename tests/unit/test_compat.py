@@ -204,12 +204,14 @@ def test_deepspeed_still_builds_its_cpu_inference_op_at_init(monkeypatch):
 
 
 def test_transformers_still_scans_every_model_file_to_import_its_models():
-    """Why cache_models_import_structure exists: transformers.models builds its lazy module from a scan of every model
-    file at import (read in its source), 0.24 CPU-s a process."""
+    """Why cache_models_import_structure exists: transformers itself and transformers.models each build their lazy
+    module from a scan of every model file at import (read in their source), ~0.24 CPU-s a scan."""
     import transformers
 
     models_init = Path(transformers.__file__).parent / "models" / "__init__.py"
     assert "define_import_structure(_file)" in models_init.read_text()
+    assert 'define_import_structure(Path(__file__).parent / "models", prefix="models")' in Path(
+        transformers.__file__).read_text()
     assert len(list(models_init.parent.glob("*/modeling_*.py"))) > 300  # what that scan reads
 
 
@@ -255,24 +257,61 @@ def test_transformers_own_structure_survives_the_cache(tmp_path):
     assert read == scanned and frozenset() in read and any("llama.modeling_llama" in m for m in read.values())
 
 
+# A fresh process, as train.py starts: installed before transformers is imported, then every model file opened
+# for reading counted through `import transformers` and a model class; the last line prints the count and a digest of
+# what the lazy modules answer (transformers' names and where each class lives, transformers.models' names).
+_COUNT_MODEL_FILES_READ = (
+    "import builtins, hashlib, sys; real = builtins.open; opened = []; "
+    "builtins.open = lambda f, *a, **k: (opened.append(str(f)), real(f, *a, **k))[1]\n"
+    "if sys.argv[1] == 'cached':\n"
+    "    from sft_recipe.compat.models_import_structure import cache_models_import_structure as c\n"
+    "    from sft_recipe.config.launch_env import recipe_cache_dir; assert c(recipe_cache_dir())\n"
+    "import transformers, transformers.models; from transformers import LlamaConfig, Qwen2ForCausalLM\n"
+    "builtins.open = real\n"
+    "answers = repr((sorted(dir(transformers)), sorted(transformers._class_to_module.items()), "
+    "sorted(dir(transformers.models)), Qwen2ForCausalLM.__module__))\n"
+    "print(sum('/models/' in f and f.endswith('.py') for f in opened), hashlib.sha256(answers.encode()).hexdigest())")
+
+
 def test_a_launched_process_imports_the_models_without_scanning_them(tmp_path):
-    """In a fresh process, as train.py installs it: the first import scans and writes the copy, the second reads it
-    and never opens a model file's source for its __all__."""
-    code = ("import builtins, sys; from sft_recipe.compat.models_import_structure import "
-            "cache_models_import_structure as c; from sft_recipe.config.launch_env import recipe_cache_dir; "
-            "assert c(recipe_cache_dir()); real = builtins.open; opened = []; "
-            "builtins.open = lambda f, *a, **k: (opened.append(str(f)), real(f, *a, **k))[1]; "
-            "import transformers.models; from transformers import LlamaConfig; builtins.open = real; "
-            "print(sum('/models/' in f and f.endswith('.py') for f in opened))")
+    """In a fresh process, as train.py installs it: the first import scans twice (transformers', then
+    transformers.models') and writes both copies; the next reads them and never opens a model file's source for its
+    __all__; the lazy modules answer exactly as transformers' own scans made them."""
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    counts = []
+    answers = {}
+    for run in ("cached", "cached", "plain"):
+        out = subprocess.run([sys.executable, "-c", _COUNT_MODEL_FILES_READ, run], capture_output=True, text=True,
+                             timeout=120, env=env, cwd=REPO)
+        assert out.returncode == 0, out.stderr[-2000:]
+        count, digest = out.stdout.strip().splitlines()[-1].split()
+        answers.setdefault(run, []).append((int(count), digest))
+    (first, first_answers), (second, second_answers) = answers["cached"]
+    (plain, plain_answers), = answers["plain"]
+    assert plain > 2 * 1500, plain  # without the cache: every model file read by each of the two scans
+    assert first > 2 * 1500 and second < 50, (first, second)  # the family's own few files are still read (its __init__)
+    assert first_answers == second_answers == plain_answers
+    copies = sorted(p.name.split("-models-")[0] for p in (tmp_path / "sft_recipe").glob("transformers-*.json"))
+    assert copies == [f"transformers-{transformers_version()}", f"transformers-{transformers_version()}-prefixed"]
+
+
+def transformers_version() -> str:
+    from importlib.metadata import version
+
+    return version("transformers")
+
+
+def test_where_transformers_is_imported_already_only_the_models_scan_is_left_to_save(tmp_path):
+    """Installed after `import transformers` (its own scan done): transformers.models' scan is still answered from
+    the copy; after transformers.models nothing is left, and it says so."""
+    code = ("import transformers; from sft_recipe.compat.models_import_structure import cache_models_import_structure "
+            "as c; from pathlib import Path; import sys; first = c(Path(sys.argv[1])); import transformers.models; "
+            "print(first, c(Path(sys.argv[1])))")
     for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
                              cwd=REPO)
         assert out.returncode == 0, out.stderr[-2000:]
-        counts.append(int(out.stdout.strip().splitlines()[-1]))
-    assert counts[0] > 1000 and counts[1] < 50, counts  # the family's own few files are still read (its __init__)
-    assert len(list((tmp_path / "sft_recipe").glob("transformers-*-models-*.json"))) == 1
+        assert out.stdout.split()[-2:] == ["True", "False"]
+    assert [p.name.split("-models-")[0] for p in tmp_path.glob("*.json")] == [f"transformers-{transformers_version()}"]
 
 
 def test_a_compile_deferred_to_the_first_call_compiles_once_with_the_same_arguments():
@@ -321,3 +360,4 @@ def test_importing_bitsandbytes_still_imports_inductor():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "True"
+
