@@ -7,9 +7,13 @@
 # TEST_WORKERS: pytest-xdist workers (default 2, the CI machine's cores); each test file runs on one worker, and the
 # launches tests share (tests/shared_runs.py) run once for all workers.
 PY := .venv/bin/python
+# Python keeps the bytecode of the project's own modules and tests in __pycache__ (git-ignored). Some machines set
+# PYTHONDONTWRITEBYTECODE=1 (this one does): every launched process then compiled train.py's ~90 sft_recipe modules
+# again (~0.07 CPU-s a process, ~400 processes a suite) and every pytest worker rewrote every test file.
+unexport PYTHONDONTWRITEBYTECODE
 DEMO_DIR ?= runs/demo
 TEST_WORKERS ?= 2
-PYTEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 PYTEST := $(PY) -m pytest $(PYTEST_ARGS)
 
 .PHONY: setup tiny demo test test-fast coverage lint
