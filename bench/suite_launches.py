@@ -30,9 +30,13 @@ ENGINES = {"single.yaml": "one process (launcher)", "fsdp_config.yaml": "FSDP1",
 FEATURES = {"--chat_template_format": "chat", "--train_new_tokens": "new-tokens",
             "--assistant_only_loss": "answer-loss",
             "--lora_modules_to_save": "modules-to-save", "--lora_target_parameters": "expert-params",
-            "--resume_from_checkpoint": "resume", "--save_strategy": "save", "--report_to": "report",
+            "--resume_from_checkpoint": "resume", "--adapter_name_or_path": "adapter-start",
+            "--save_strategy": "save", "--report_to": "report",
             "--torch_dtype": "dtype", "--optim": "optim", "--use_dora": "dora", "--use_4bit_quantization": "4bit",
             "--use_8bit_quantization": "8bit", "--bf16": "bf16", "--packing": "packing"}
+
+
+PATHS = ("--resume_from_checkpoint", "--adapter_name_or_path")  # a folder: the cell says only that one is given
 
 
 def _value(argv: list[str], flag: str) -> str | None:
@@ -77,7 +81,7 @@ def cell_of(argv: list[str], recipe_yaml: dict | None = None) -> tuple[str, ...]
         if value is None or value in ("False", "no", "none") and flag not in ("--chat_template_format",):
             continue
         for one in value.split(",") if flag == "--report_to" else [value]:
-            features.append(name if one == "True" else f"{name}={one if flag != '--resume_from_checkpoint' else '*'}")
+            features.append(name if one == "True" else f"{name}={one if flag not in PATHS else '*'}")
     return (program, engine_of(argv), model, *sorted(features))
 
 

@@ -18,7 +18,9 @@ paths differ (the full product family x engine would cost ~15 minutes):
   unit of its own) and ZeRO-3, the experts named (--lora_target_parameters, dropout 0) in
   one process and on FSDP2 with efficient loading, whose adapter must equal the one-process adapter (a rank that
   loaded the router's bias wrong routes otherwise);
-- non-Llama layouts: GPT-NeoX on FSDP1, Phi-3 (fused qkv/gate_up) in one process.
+- non-Llama layouts: GPT-NeoX on FSDP1, Phi-3 (fused qkv/gate_up) in one process;
+- an adapter trained further (--adapter_name_or_path; the Llama demo's on every engine: test_adapter_trained_further):
+  the tied Qwen2's on FSDP1, DeepSeek-V3's on ZeRO-3, Gemma-2's onto its 4-bit base on FSDP1 (FURTHER below).
 Dropped as duplicates of the paths above: Mixtral in 16 bits and Qwen3-MoE with named experts (the DeepSeek cells
 run the same paths), Mistral, Qwen3 and Gemma-3 text (Llama/Qwen2-shaped decoder layers; their
 one-process runs were checked by hand), and the families' one-process runs whose FSDP cell runs here.
@@ -70,15 +72,35 @@ CELLS = {
 }
 
 
+# --adapter_name_or_path off the Llama demo, on the engines whose loading differs: cell -> (the cell whose final
+# adapter it trains further, engine, extra flags). One step at rate 0 (the first of a warmup), so the adapter saved
+# must be the one loaded, and the first loss the trained adapter's on the start cell's first batch (same global
+# batch, seed and data). The tied pair on FSDP1 (the head found through the tie when the adapter loads and when it
+# is gathered); MoE experts and router under ZeRO-3 (the adapter loaded before DeepSpeed partitions); Gemma's
+# adapter onto its 4-bit base under FSDP1 (QLoRA continuing an adapter trained on the 16-bit base).
+FURTHER = {
+    "qwen2-further-fsdp1": ("qwen2-single", "fsdp1", NO_DROPOUT),
+    "deepseek-v3-further-zero3": ("deepseek-v3-fsdp1", "zero3", ["--ddp_backend", "gloo"]),
+    "gemma2-further-qlora-fsdp1": ("gemma2-fsdp2", "fsdp1", QLORA_FLAGS),
+}
+ONE_STEP_AT_RATE_0 = ["--warmup_steps", "5", "--max_steps", "1", "--save_strategy", "no"]
+
+
 @pytest.fixture(scope="module")
 def runs(family_model, tiny, tmp_path_factory):
     results = {}
-    for cell, (family, engine, extra) in CELLS.items():
+
+    def launch(cell, family, engine, flags):
         env = launch_env(cpu_switch=engine != "zero3")  # DeepSpeed on CPU: gloo, without the CPU switch
-        out = tmp_path_factory.mktemp(cell)
-        results[cell] = launch_train(CONFIGS[engine], out, ["--model_name_or_path", str(family_model(family)),
-                                                            "--dataset_name", str(tiny.jsonl_dir), *GUIDE, *STEPS,
-                                                            *extra], env=env)
+        results[cell] = launch_train(CONFIGS[engine], tmp_path_factory.mktemp(cell), [
+            "--model_name_or_path", str(family_model(family)), "--dataset_name", str(tiny.jsonl_dir), *GUIDE, *STEPS,
+            *flags], env=env)
+
+    for cell, (family, engine, extra) in CELLS.items():
+        launch(cell, family, engine, extra)
+    for cell, (start, engine, extra) in FURTHER.items():
+        launch(cell, CELLS[start][0], engine, [*extra, "--adapter_name_or_path", str(results[start].output_dir),
+                                               *ONE_STEP_AT_RATE_0])
     return results
 
 
@@ -226,3 +248,24 @@ def test_zero3_resumes_exactly_and_follows_a_changed_weight_decay_and_beta2(runs
     worst = max(float((final_b[k] - final_a[k]).abs().max() / final_a[k].abs().max().clamp_min(1e-12))
                 for k in final_a if ".lora_B" in k)
     assert worst > 1e-3, worst
+
+
+@pytest.mark.parametrize("cell", list(FURTHER))
+def test_a_familys_adapter_trained_further_starts_from_its_weights(runs, cell):
+    start = runs[FURTHER[cell][0]]
+    result = runs[cell]
+    assert result.returncode == 0, result.output[-5000:]
+    assert f"LoRA: training the adapter at {start.output_dir} further" in result.output
+    assert "adapter check OK" in result.output
+    assert result.record["run"]["quantization"] == ("4bit" if "qlora" in cell else None)
+    before = load_file(str(start.output_dir / "adapter_model.safetensors"))
+    after = load_file(str(result.output_dir / "adapter_model.safetensors"))
+    assert before.keys() == after.keys()
+    # Over a 4-bit base TRL casts the adapter to bf16 (the guide's QLoRA computes with it), and the resized
+    # vocabulary's rows sit in the bf16 base: the fp32 adapter trained further there is itself, rounded to bf16.
+    trained_in = torch.bfloat16 if "qlora" in cell else torch.float32
+    for key in before:  # every LoRA matrix, the tied pair, the resized rows: loaded, wrapped, gathered as loaded
+        assert before[key].dtype == torch.float32, key
+        assert torch.equal(before[key].to(trained_in), after[key].to(trained_in)), key
+    first, fresh_first = result.record["training"]["losses"][0], start.record["training"]["losses"][0]
+    assert first < fresh_first - 100 * RELATIVE_TOLERANCE * fresh_first, (first, fresh_first)

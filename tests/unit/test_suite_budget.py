@@ -120,3 +120,7 @@ def test_a_flag_from_the_recipe_yaml_counts_in_the_launchs_cell(tmp_path):
     assert cell_of(argv, values) == ("train.py", "one process (python)", "model", "report=mlflow", "report=wandb")
     assert cell_of([*argv, "--report_to", "none"], values) == ("train.py", "one process (python)", "model")
     assert recipe_yaml_of(["python", "train.py"]) is None and recipe_yaml_of(["x", "--config", "/nonexistent"]) is None
+    # a folder the run starts from is a feature of its cell, whichever folder it is
+    for flag, name in (("--adapter_name_or_path", "adapter-start"), ("--resume_from_checkpoint", "resume")):
+        assert cell_of([*argv, flag, "/tmp/pytest-7/run3"], {}) == ("train.py", "one process (python)", "model",
+                                                                     f"{name}=*")
