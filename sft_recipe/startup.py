@@ -19,8 +19,9 @@ machine every rank starts ~1.5 s sooner.
 objects created afterwards (each step's) are collected as before. The cost: cyclic garbage the imports left
 (~10 MiB a process, measured as peak RSS 505 -> 516 MiB) is never freed.
 
-Entry points call `pause_collector()` (or `prepare_imports`) before their first heavy import and `freeze_imports()`
-after the last: train.py, and the workers that stand for train.py in the tests and benchmarks.
+Entry points call `pause_collector()` (or `prepare_imports`, `prepare_tool_imports`) before their first heavy import
+and `freeze_imports()` after the last: train.py, merge_adapter.py, and the workers that stand for train.py in the
+tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -51,6 +52,19 @@ def prepare_imports(argv: list[str]) -> None:
     else:  # before accelerate starts it: no C++ build of an op training never calls (21 s on a fresh CPU machine)
         skip_cpu_inference_op_build()
     # before transformers: its import and transformers.models' each read 1,700 model files (0.24 CPU-s a scan)
+    cache_models_import_structure(recipe_cache_dir())
+
+
+def prepare_tool_imports() -> None:
+    """Before the libraries load, for the recipe's other commands that load a model (merge_adapter.py): the collector
+    paused, transformers' models scan cached, bitsandbytes' import-time compiles deferred (PEFT imports it whenever it
+    is installed). Nothing is kept out: a tool's command line does not say what it will meet."""
+    pause_collector()
+    from sft_recipe.compat.deferred_compile import import_bitsandbytes_compiling_on_first_use
+    from sft_recipe.compat.models_import_structure import cache_models_import_structure
+    from sft_recipe.config.launch_env import recipe_cache_dir
+
+    import_bitsandbytes_compiling_on_first_use()
     cache_models_import_structure(recipe_cache_dir())
 
 
