@@ -15,7 +15,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from sft_recipe.startup import freeze_imports, frozen_import_objects, prepare_imports
+from sft_recipe.startup import freeze_imports, imports_frozen, prepare_imports
 
 if __name__ == "__main__":  # before the libraries load: no cyclic collection while they import, and what the flags
     prepare_imports(sys.argv[1:])  # say the run cannot use (bitsandbytes, wandb, DeepSpeed) kept out
@@ -183,7 +183,7 @@ def run_facts(model_args, data_args, recipe_args, training_args) -> dict:
             "config": {"model": asdict(model_args), "data": asdict(data_args), "recipe": asdict(recipe_args),
                        "training": training_args.to_dict()},
             "skipped_imports": compat.skipped_imports(),  # installed, and kept out: the run uses none of it
-            "import_objects_frozen": frozen_import_objects()}  # never walked by the collector (sft_recipe/startup)
+            "imports_frozen": imports_frozen()}  # the libraries' objects never walked by the collector (startup)
 
 
 def print_preview_and_exit(data, report, tokenizer, training_args, count: int, launch: LaunchEnv) -> None:

@@ -74,11 +74,16 @@ def pause_collector() -> None:
 
 def freeze_imports() -> None:
     """Everything alive now is kept out of every later collection; collecting resumes for what comes next."""
+    global _frozen
     gc.freeze()
     gc.enable()
+    _frozen = True
 
 
-def frozen_import_objects() -> int:
-    """How many objects freeze_imports() kept out of collection (the run record's `run.import_objects_frozen`; 0
-    where the process never froze them)."""
-    return gc.get_freeze_count()
+_frozen = False
+
+
+def imports_frozen() -> bool:
+    """Whether this process froze its imports (the run record's `run.imports_frozen`). A flag, not
+    `gc.get_freeze_count()`: counting walks every frozen object (~0.05 s for train.py's ~0.7 million)."""
+    return _frozen

@@ -49,7 +49,7 @@ LOSS_CURVE = "loss_curve.png"
 
 SECTIONS: dict[str, tuple[str, ...]] = {
     "run": ("model_name_or_path", "dataset_name", "quantization", "config", "skipped_imports",
-            "import_objects_frozen"),
+            "imports_frozen"),
     "distribution": ("distributed_type", "fsdp_version", "num_processes", "device", "wrapped_class",
                      "dtensor_params", "fsdp_modules", "fsdp1_flat_params"),
     "training": ("global_steps", "train_seconds", "tokens_trained", "losses", "loss_steps", "eval_losses",

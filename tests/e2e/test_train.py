@@ -69,7 +69,7 @@ def test_train_save_verify_reload(name, tiny, shared_run):
                                                ["bitsandbytes", "wandb", "deepspeed"])
     # The libraries imported without the cyclic collector, and what they made is never walked again
     # (sft_recipe/startup.py): torch, transformers, PEFT, TRL and datasets leave more than 300,000 objects.
-    assert facts["run"]["import_objects_frozen"] > 300_000
+    assert facts["run"]["imports_frozen"] is True
 
     # It ran the way the config says, and FSDP really wrapped the model (accelerate can silently run DDP on CPU).
     how = facts["distribution"]
