@@ -40,9 +40,9 @@ def main() -> None:
     parser.add_argument("--upstream_load", action="store_true")
     args, train_argv = parser.parse_known_args()
 
-    from sft_recipe.startup import freeze_imports, pause_collector
+    from sft_recipe.startup import freeze_imports, prepare_tool_imports
 
-    pause_collector()  # as train.py (sft_recipe/startup.py): the libraries import without the cyclic collector
+    prepare_tool_imports()  # as train.py (sft_recipe/startup.py): no cyclic collector, the models scan cached
     from sft_recipe.compat.unused_imports import skip_unused_deepspeed
     from sft_recipe.config.launch_env import may_use_deepspeed, read_launch_env
 

@@ -55,16 +55,18 @@ def prepare_imports(argv: list[str]) -> None:
     cache_models_import_structure(recipe_cache_dir())
 
 
-def prepare_tool_imports() -> None:
-    """Before the libraries load, for the recipe's other commands that load a model (merge_adapter.py): the collector
-    paused, transformers' models scan cached, bitsandbytes' import-time compiles deferred (PEFT imports it whenever it
-    is installed). Nothing is kept out: a tool's command line does not say what it will meet."""
+def prepare_tool_imports(imports_peft: bool = True) -> None:
+    """Before the libraries load, for the recipe's other commands (merge_adapter.py, the planner, the workaround
+    table, the test and benchmark workers): the collector paused and transformers' models scan cached; where the tool
+    imports PEFT (`imports_peft`), which imports bitsandbytes whenever it is installed, bitsandbytes imported with its
+    compiles deferred. Nothing is kept out: a tool's command line does not say what it will meet."""
     pause_collector()
     from sft_recipe.compat.deferred_compile import import_bitsandbytes_compiling_on_first_use
     from sft_recipe.compat.models_import_structure import cache_models_import_structure
     from sft_recipe.config.launch_env import recipe_cache_dir
 
-    import_bitsandbytes_compiling_on_first_use()
+    if imports_peft:
+        import_bitsandbytes_compiling_on_first_use()
     cache_models_import_structure(recipe_cache_dir())
 
 

@@ -102,9 +102,9 @@ def main() -> None:
                         help="also run lora-chatml on this (larger) model, written as big-lora-chatml.json")
     args, extra = parser.parse_known_args()
 
-    from sft_recipe.startup import freeze_imports, pause_collector
+    from sft_recipe.startup import freeze_imports, prepare_tool_imports
 
-    pause_collector()  # as train.py (sft_recipe/startup.py): the libraries import without the cyclic collector
+    prepare_tool_imports()  # as train.py (sft_recipe/startup.py): no cyclic collector, the models scan cached
     from sft_recipe.compat.deepspeed_cpu import skip_cpu_inference_op_build
     from sft_recipe.compat.unused_imports import skip_unused_deepspeed, skip_unused_wandb
     from sft_recipe.config.launch_env import may_use_deepspeed, read_launch_env

@@ -38,9 +38,9 @@ def main() -> None:
     parser.add_argument("--out_dir", required=True)
     args = parser.parse_args()
 
-    from sft_recipe.startup import freeze_imports, pause_collector
+    from sft_recipe.startup import freeze_imports, prepare_tool_imports
 
-    pause_collector()  # as train.py (sft_recipe/startup.py): the libraries import without the cyclic collector
+    prepare_tool_imports()  # as train.py (sft_recipe/startup.py): no cyclic collector, the models scan cached
     from sft_recipe import compat
     from sft_recipe.config.launch_env import read_launch_env
 
