@@ -56,8 +56,8 @@ def prepare_imports(argv: list[str]) -> None:
 
 
 def prepare_tool_imports(imports_peft: bool = True) -> None:
-    """Before the libraries load, for the recipe's other commands (merge_adapter.py, the planner, the workaround
-    table, the test and benchmark workers): the collector paused and transformers' models scan cached; where the tool
+    """Before the libraries load, for the recipe's other commands (merge_adapter.py, the planner, the test and
+    benchmark workers): the collector paused and transformers' models scan cached; where the tool
     imports PEFT (`imports_peft`), which imports bitsandbytes whenever it is installed, bitsandbytes imported with its
     compiles deferred. Nothing is kept out: a tool's command line does not say what it will meet."""
     pause_collector()

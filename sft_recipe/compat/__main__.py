@@ -13,9 +13,6 @@ from sft_recipe.compat import (
 
 
 def main() -> int:
-    from sft_recipe.startup import prepare_tool_imports
-
-    prepare_tool_imports(imports_peft=False)  # before the signature check imports transformers' Trainer
     print(f"{'workaround':44} {'library':12} {'here':10} {'affected':9} applies  can go when")
     for w in WORKAROUNDS:
         print(f"{w.name:44} {w.library:12} {str(installed_version(w.library)):10} {w.affected:9} "

@@ -100,6 +100,20 @@ def test_new_token_rows_train_in_one_process_and_under_fsdp(new_token_runs, tiny
         for key in ("model.embed_tokens", "lm_head"):
             name = f"base_model.model.{key}.token_adapter.trainable_tokens_delta"
             assert float((saved[name] - single[name]).norm() / single[name].norm()) < RELATIVE_TOLERANCE, key
+    if engine == "zero3":
+        # What the rows way spares under ZeRO-3, where the full way (modules_to_save) is not offered: it trains what
+        # one process trains, counted through DeepSpeed's partitioned parameters, 2 x (vocabulary + 3) x hidden
+        # fewer than FSDP2's full way on the same model.
+        single, full = new_token_runs("single", "rows").record, new_token_runs("fsdp2", "full").record
+        trained = result.record["weights"]["trainable_params"]
+        assert trained == single["weights"]["trainable_params"]
+        from transformers import AutoConfig
+
+        vocab, hidden = AutoConfig.from_pretrained(str(tiny.model_dir)).vocab_size, 64
+        assert full["weights"]["trainable_params"] - trained == 2 * (vocab + 3) * hidden - 2 * 3 * hidden
+        print(f"zero3: trainable parameters {trained:,} (rows) vs {full['weights']['trainable_params']:,} (FSDP2, "
+              f"full); peak RSS per rank, MiB: {result.record['memory']['peak_rss_mib_per_rank']} vs "
+              f"{full['memory']['peak_rss_mib_per_rank']}")
 
 
 def test_under_fsdp2_the_rows_alone_train_instead_of_both_matrices(new_token_runs, tiny):
