@@ -15,9 +15,9 @@ paths differ (the full product family x engine would cost ~15 minutes):
 - fused MoE experts: Mixtral 4-bit on FSDP1 with the guide's dropout (attention adapted; its router an nn.Linear);
   DeepSeek-V3 (dense first layer, shared expert, a router that is no nn.Linear and holds a persistent buffer) on
   every engine: the guide's flags on FSDP1 (also as QLoRA: its fp32 router beside the bf16-stored base is an FSDP1
-  unit of its own) and ZeRO-3, the experts named (--lora_target_parameters, dropout 0) in
-  one process and on FSDP2 with efficient loading, whose adapter must equal the one-process adapter (a rank that
-  loaded the router's bias wrong routes otherwise);
+  unit of its own) and ZeRO-3 (with the chat format's new token rows trained), the experts named
+  (--lora_target_parameters, dropout 0) in one process and on FSDP2 with efficient loading, whose adapter must
+  equal the one-process adapter (a rank that loaded the router's bias wrong routes otherwise);
 - non-Llama layouts: GPT-NeoX on FSDP1, Phi-3 (fused qkv/gate_up) in one process;
 - an adapter trained further (--adapter_name_or_path; the Llama demo's on every engine: test_adapter_trained_further):
   the tied Qwen2's on FSDP1, DeepSeek-V3's on ZeRO-3, Gemma-2's onto its 4-bit base on FSDP1 (FURTHER below).
@@ -66,7 +66,8 @@ CELLS = {
     "deepseek-v3-experts-single": ("deepseek-v3", "single", [*EXPERTS, "--per_device_train_batch_size", "4"]),
     "deepseek-v3-experts-fsdp2": ("deepseek-v3", "fsdp2", EXPERTS),
     "deepseek-v3-fsdp1": ("deepseek-v3", "fsdp1", []),
-    "deepseek-v3-zero3": ("deepseek-v3", "zero3", ["--ddp_backend", "gloo"]),
+    # with the chat format's new rows trained (PEFT's trainable tokens through ZeRO-3's gathers), off the Llama demo
+    "deepseek-v3-zero3": ("deepseek-v3", "zero3", ["--ddp_backend", "gloo", "--train_new_tokens", "True"]),
     "gpt-neox-fsdp1": ("gpt-neox", "fsdp1", []),
     "phi3-single": ("phi3", "single", []),
 }
@@ -177,6 +178,31 @@ def test_moe_adapts_attention_by_default_and_says_what_all_linear_leaves_out(run
     assert any(".self_attn." in k for k in default)
     said = "all-linear leaves 6 linears untrained (down_proj, gate_proj, up_proj"  # DeepSeek's dense + shared MLPs
     assert (said in runs[cell].output) == cell.startswith("deepseek")
+
+
+def test_an_moes_new_token_rows_train_under_zero3(runs, family_model, tmp_path):
+    """--train_new_tokens under DeepSpeed ZeRO-3 on DeepSeek-V3 (MoE, untied head): the chatml rows of the embedding
+    and the head moved, are saved with the adapter, and reload as trained."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoConfig, AutoTokenizer
+
+    result = runs["deepseek-v3-zero3"]
+    assert result.returncode == 0, result.output[-5000:]
+    assert "keep random embedding" not in result.output
+    out = result.output_dir
+    ids = list(range(AutoConfig.from_pretrained(str(family_model("deepseek-v3"))).vocab_size,
+                     len(AutoTokenizer.from_pretrained(str(out)))))
+    assert len(ids) == 3  # <|im_start|>, <|im_end|>, <pad>
+    saved = load_file(str(out / "adapter_model.safetensors"))
+    rows = {}
+    for key in ("model.embed_tokens", "lm_head"):
+        delta = saved[f"base_model.model.{key}.token_adapter.trainable_tokens_delta"]
+        start = saved[f"base_model.model.{key}.token_adapter.base_layer.weight"][ids]
+        assert delta.shape == start.shape and (delta - start).abs().max() > 1e-3, f"{key}: the new rows did not move"
+        rows[key] = delta
+    loaded = AutoPeftModelForCausalLM.from_pretrained(str(out))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.get_input_embeddings()(torch.tensor(ids)), rows["model.embed_tokens"])
 
 
 def test_named_experts_train_on_fsdp2_as_in_one_process_and_the_router_never(runs):
