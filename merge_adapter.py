@@ -14,9 +14,8 @@ from sft_recipe.startup import freeze_imports, prepare_tool_imports
 if __name__ == "__main__":  # as train.py: the libraries import without the cyclic collector (sft_recipe/startup.py)
     prepare_tool_imports()
 
-from sft_recipe.merge import import_libraries, main  # noqa: E402
+from sft_recipe.merge import main  # noqa: E402  (imports PEFT and transformers)
 
 if __name__ == "__main__":
-    import_libraries()
     freeze_imports()
     sys.exit(main())

@@ -255,12 +255,6 @@ def _publish(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)
 
 
-def import_libraries() -> None:
-    """What a merge imports (PEFT, transformers' auto classes), at once: merge_adapter.py freezes them after this."""
-    import peft  # noqa: F401
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
-
-
 def run_merge(plan: MergePlan, log=print) -> MergeResult:
     """Load base (unsharded, plan.dtype) + adapter in this process, merge, write to a sibling folder, check, publish."""
     refuse_under_distributed_launcher()
