@@ -27,6 +27,9 @@ class LaunchEnv:
     local_rank: int = 0                # LOCAL_RANK: this process on its machine
     world_size: int = 1                # WORLD_SIZE: processes in the run
     local_world_size: int | None = None  # LOCAL_WORLD_SIZE: processes on this machine (None: not exported)
+    # `accelerate launch` started this process: every accelerate launcher exports ACCELERATE_MIXED_PRECISION, torchrun
+    # and python do not (config/launcher_yaml.py then reads the YAML from the launcher's command line).
+    accelerate_launched: bool = False
     use_cpu: bool = False              # ACCELERATE_USE_CPU: the CPU switch (also read by transformers)
     use_fsdp: bool = False             # ACCELERATE_USE_FSDP: the accelerate YAML says distributed_type: FSDP
     use_deepspeed: bool = False        # ACCELERATE_USE_DEEPSPEED
@@ -43,6 +46,7 @@ class LaunchEnv:
     fsdp_activation_checkpointing_offload: bool = False  # ... with checkpointed inputs offloaded to host RAM
     fsdp_auto_wrap_policy: str = ""    # "" when not exported (accelerate's default: NO_WRAP)
     fsdp_backward_prefetch: str = ""   # "" when not exported
+    fsdp_transformer_layer_cls_to_wrap: str = ""  # FSDP_TRANSFORMER_CLS_TO_WRAP: comma-separated class names
     context_parallel_size: int = 1     # PARALLELISM_CONFIG_CP_SIZE, when ACCELERATE_USE_PARALLELISM_CONFIG is on
     sequence_parallel_backend: str = ""  # PARALLELISM_CONFIG_SP_BACKEND when sequence parallelism is on (SP_SIZE > 1)
     deepspeed_zero_stage: str = ""     # ACCELERATE_DEEPSPEED_ZERO_STAGE
@@ -51,6 +55,7 @@ class LaunchEnv:
     deepspeed_offload_param_device: str = ""      # ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE (none|cpu|nvme)
     deepspeed_offload_optimizer_device: str = ""  # ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE
     gradient_accumulation_steps: str = ""  # ACCELERATE_GRADIENT_ACCUMULATION_STEPS (a DeepSpeed config's own value)
+    gradient_clipping: str = ""        # ACCELERATE_GRADIENT_CLIPPING (a DeepSpeed config's own value)
     hub_offline: bool = False          # HF_HUB_OFFLINE, read with huggingface_hub's own rule (it is the hub's)
     hf_token_set: bool = False         # HF_TOKEN is exported (the token's value is never kept)
     # torchrun (and `accelerate launch` through it) forwards SIGINT/SIGTERM to the ranks, then SIGKILLs them this many
@@ -117,6 +122,9 @@ def loads_4bit_base_once(four_bit: bool, fsdp_version: int | None, cpu_ram_effic
     return bool(four_bit and fsdp_version == 1 and cpu_ram_efficient_loading and processes > 1)
 
 
+YAML_KEY_OF = {"FSDP_VERSION": "fsdp_version"}  # variables the launcher copies from an accelerate YAML key
+
+
 def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """Read the launcher's variables (os.environ unless given); raises ConfigError naming any unreadable one."""
     env = os.environ if environ is None else environ
@@ -140,7 +148,10 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         try:
             return int(raw)
         except ValueError:
-            problems.append(f"{name}={raw!r}: not a whole number. Fix: unset it or let the launcher set it.")
+            key = YAML_KEY_OF.get(name)
+            problems.append(f"{name}={raw!r} ({key} in the accelerate config): not a whole number. Fix: {key}: 1 or 2."
+                            if key else f"{name}={raw!r}: not a whole number. Fix: unset it or let the launcher set "
+                            "it.")
             return default
 
     world_size = number("WORLD_SIZE", 1)
@@ -148,6 +159,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     launch = LaunchEnv(
         rank=number("RANK", 0), local_rank=number("LOCAL_RANK", 0), world_size=world_size,
         local_world_size=number("LOCAL_WORLD_SIZE", 0) or None,
+        accelerate_launched="ACCELERATE_MIXED_PRECISION" in env,
         use_cpu=flag("ACCELERATE_USE_CPU"), use_fsdp=flag("ACCELERATE_USE_FSDP"),
         use_deepspeed=flag("ACCELERATE_USE_DEEPSPEED"),
         mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "no") or "no",
@@ -163,6 +175,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         fsdp_activation_checkpointing_offload=flag("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD"),
         fsdp_auto_wrap_policy=env.get("FSDP_AUTO_WRAP_POLICY", ""),
         fsdp_backward_prefetch=env.get("FSDP_BACKWARD_PREFETCH", ""),
+        fsdp_transformer_layer_cls_to_wrap=env.get("FSDP_TRANSFORMER_CLS_TO_WRAP", ""),
         # accelerate's ParallelismConfig reads these sizes only when the launcher turned the parallelism config on.
         context_parallel_size=number("PARALLELISM_CONFIG_CP_SIZE", 1) if parallelism else 1,
         sequence_parallel_backend=(env.get("PARALLELISM_CONFIG_SP_BACKEND", "") or "deepspeed")
@@ -173,6 +186,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         deepspeed_offload_param_device=env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", ""),
         deepspeed_offload_optimizer_device=env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", ""),
         gradient_accumulation_steps=env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", ""),
+        gradient_clipping=env.get("ACCELERATE_GRADIENT_CLIPPING", ""),
         # huggingface_hub's rule, not accelerate's: 1/ON/YES/TRUE are offline, anything else online, never an error.
         hub_offline=env.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"),
         hf_token_set=bool(env.get("HF_TOKEN")),

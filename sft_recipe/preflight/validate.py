@@ -16,6 +16,12 @@ from sft_recipe.errors import ConfigError
 from sft_recipe.model.shape import DTYPES, linear_module_names, module_names
 from sft_recipe.model.structure import parse_target_modules
 from sft_recipe.preflight.file_checks import config_file_problems, file_problems
+from sft_recipe.preflight.launcher_checks import (
+    deepspeed_value_problems,
+    launcher_yaml_problems,
+    precision_problems,
+    wrap_class_problems,
+)
 from sft_recipe.preflight.trainer_checks import trainer_problems
 from sft_recipe.train.model import flash_attn_problem
 
@@ -329,6 +335,8 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,
 
     problems = _model_problems(m, t, launch) + _adapter_variant_problems(m, t, launch) + dtype_problems(m, t)
     problems += _training_problems(m, d, r, t, launch)
+    problems += launcher_yaml_problems(launch)  # the accelerate YAML's keys and values, as accelerate reads them
+    problems += precision_problems(t, launch) + deepspeed_value_problems(t, launch)  # the YAML against the flags
     problems += _fsdp_env_problems(m, launch)
     problems += _deepspeed_env_problems(m, t, launch)
     problems += optional_dependency_problems(m, t, launch)  # every optional package a setting implies
@@ -351,6 +359,7 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,
 
         problems += file_problems(m, d, r, t)  # weights, tokenizer files whole; a resume's base and LoRA shape the same
         problems += _lora_target_problems(m, t)
+        problems += wrap_class_problems(m, t, launch)  # the YAML's layer class to wrap, in this model
         from sft_recipe.config.args import ModelArguments
         from sft_recipe.train.start_adapter import start_adapter_problems
 
