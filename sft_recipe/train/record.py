@@ -51,7 +51,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "run": ("model_name_or_path", "dataset_name", "quantization", "config", "skipped_imports",
             "imports_frozen"),
     "distribution": ("distributed_type", "fsdp_version", "num_processes", "device", "wrapped_class",
-                     "dtensor_params", "fsdp_modules", "fsdp1_flat_params"),
+                     "dtensor_params", "fsdp_modules", "fsdp1_flat_params", "engine_settings"),
     "training": ("global_steps", "train_seconds", "tokens_trained", "losses", "loss_steps", "eval_losses",
                  "eval_loss_steps"),
     "throughput": ("tokens_per_second", "tokens_per_second_per_device", "mfu", "peak_tflops_per_device",
@@ -117,6 +117,7 @@ class RunRecord(TrainerCallback):
                  dtensor_params=sum(type(p).__name__ == "DTensor" for p in wrapped.parameters()),
                  fsdp_modules=sum("FullyShardedDataParallel" in type(m).__name__ or "FSDP" in type(m).__name__
                                   for m in wrapped.modules()))
+        self.set("distribution", engine_settings=engine_settings(wrapped, plugin))
         flat = [p for p in wrapped.parameters() if getattr(p, "_is_flat_param", False)]
         if flat:  # FSDP1 use_orig_params=False: PEFT's wrap policy must keep LoRA and frozen weights in separate units
             self.set("distribution", fsdp1_flat_params={"trainable": sum(p.requires_grad for p in flat),
@@ -277,3 +278,23 @@ def plot_losses(record: dict, path: str) -> None:
     axes.legend()
     figure.tight_layout()
     figure.savefig(path)
+
+
+def engine_settings(wrapped, fsdp_plugin) -> dict:
+    """What the engine runs with, read from the wrapped model where it keeps it (FSDP1's root unit, DeepSpeed's
+    engine) and from accelerate's plugin where only it does (FSDP2), so a test can tell an accelerate YAML's edit
+    reached the engine: what the YAML asked is not evidence of what ran."""
+    def name(value):
+        return getattr(value, "name", value)
+
+    if hasattr(wrapped, "zero_optimization_stage"):  # DeepSpeedEngine
+        return {"zero_stage": wrapped.zero_optimization_stage()}
+    if hasattr(wrapped, "sharding_strategy"):  # FSDP1's root FullyShardedDataParallel
+        return {"sharding_strategy": name(wrapped.sharding_strategy),
+                "backward_prefetch": name(wrapped.backward_prefetch),
+                "forward_prefetch": bool(wrapped.forward_prefetch), "use_orig_params": bool(wrapped._use_orig_params),
+                "state_dict_type": name(getattr(fsdp_plugin, "state_dict_type", None))}
+    if fsdp_plugin is not None:  # FSDP2 keeps no settings object on the modules
+        return {"reshard_after_forward": fsdp_plugin.reshard_after_forward,
+                "state_dict_type": name(fsdp_plugin.state_dict_type)}
+    return {}
