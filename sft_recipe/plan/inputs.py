@@ -123,6 +123,11 @@ def read_accelerate_config(accelerate_config: dict | str | os.PathLike | None) -
     if not isinstance(raw, dict):
         raise ConfigError([f"--config_file {accelerate_config}: must be a mapping (accelerate's YAML), "
                            f"not {type(raw).__name__}."])
+    from sft_recipe.config.launcher_yaml import yaml_problems
+
+    problems = yaml_problems(raw, path)  # a misspelt key would plan the default the user meant to change
+    if problems:
+        raise ConfigError(problems)
     return raw
 
 
