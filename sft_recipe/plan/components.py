@@ -304,8 +304,17 @@ def gather_bytes(shape: ModelShape, w: Workload, d: Distribution) -> tuple[float
         dequant = shape.largest_linear_params * w.compute_bytes
     else:
         layer, root, dequant = shape.layer_params * g, shape.root_params * g, 0.0
-    if d.reshards_after_forward:
-        total, formula = root + 2 * layer, "root + 2 x layer unit"
+    # The unit FSDP gathers at once: one decoder layer (TRANSFORMER_BASED_WRAP), as many layers as reach
+    # fsdp_min_num_params (SIZE_BASED_WRAP), or the whole model as one unit (NO_WRAP: nothing is ever sharded away
+    # while it computes).
+    layers_per_unit = 1
+    if d.wrap_policy == "SIZE_BASED_WRAP":
+        layers_per_unit = min(shape.num_layers, max(1, -(-d.min_num_params // max(1, shape.layer_params))))
+    if d.wrap_policy == "NO_WRAP":
+        total, formula = root + shape.num_layers * layer, "the whole model (NO_WRAP: one unit)"
+    elif d.reshards_after_forward:
+        units = min(2 * layers_per_unit, shape.num_layers)
+        total, formula = root + units * layer, f"root + 2 x unit of {layers_per_unit} layer(s)"
     else:
         total, formula = root + shape.num_layers * layer, "every unit (no reshard after forward)"
     if dequant:

@@ -27,6 +27,8 @@ class Distribution:
     zero_stage: int = 0  # DeepSpeed: 2 or 3 (offload = offload_param_device cpu)
     offload_optimizer: bool = False  # DeepSpeed offload_optimizer_device: cpu
     zero3_init: bool = False  # DeepSpeed zero3_init_flag
+    wrap_policy: str = "TRANSFORMER_BASED_WRAP"  # fsdp_auto_wrap_policy: a unit per decoder layer, by size, or none
+    min_num_params: int = 100_000_000  # fsdp_min_num_params of SIZE_BASED_WRAP (accelerate's launcher default)
 
     def loads_quantized_base_once(self, quant: str | None) -> bool:
         """FSDP1 with cpu_ram_efficient_loading on several ranks: rank 0 alone loads a 4-bit base, the others receive
@@ -171,6 +173,8 @@ def distribution(cfg: dict, num_processes: int | None = None, training_args=None
         offload=kind == "fsdp" and bool(fc.get("fsdp_offload_params", False)),
         cpu_ram_efficient_loading=kind == "fsdp" and bool(fc.get("fsdp_cpu_ram_efficient_loading", False)),
         mixed_precision=mp,
+        wrap_policy=str(fc.get("fsdp_auto_wrap_policy") or "TRANSFORMER_BASED_WRAP").upper(),
+        min_num_params=int(fc.get("fsdp_min_num_params") or 100_000_000),
     )
 
 

@@ -368,3 +368,30 @@ def test_modules_trained_in_full_and_the_new_token_rows_are_planned(lora_args):
     assert _row(full, "trained in full") == 8_389_394_432 / 8
     assert _row(rows, "trained in full") == 786_432 / 8
     assert full.peak_gib - base.peak_gib == pytest.approx(8_389_394_432 / 8 / GIB)  # the train step is the peak
+
+
+def test_the_accelerate_yaml_edits_that_change_memory_move_the_plan(lora_args):
+    """Issue 51: NO_SHARD, SHARD_GRAD_OP / FSDP2's reshard_after_forward false, offload and the wrap policy each show
+    in the plan. Expectations from the model's size, not the plan's own formulas: NO_SHARD holds every weight
+    (P x 2 bytes, bf16) on each GPU; offload holds none; without reshard or with NO_WRAP every layer stays gathered
+    (at least the L-2 layers beyond FULL_SHARD's two); a SIZE_BASED_WRAP unit of 3 layers gathers 4 more."""
+    shape = model_shape(LLAMA_70B, extra_vocab=4)
+    p, layer = shape.total_params, shape.layer_params
+
+    def fsdp(**fsdp_config):
+        config = _fsdp(8)
+        config["fsdp_config"].update(fsdp_config)
+        return _plan(lora_args, config, ladder=False)
+
+    full = fsdp()
+    assert _row(fsdp(fsdp_sharding_strategy="NO_SHARD"), "base weights") == pytest.approx(p * 2)
+    assert _row(fsdp(fsdp_offload_params=True), "base weights") == 0
+    gathered = _row(full, "FSDP all-gather buffers")
+    for edit in ({"fsdp_sharding_strategy": "SHARD_GRAD_OP"}, {"fsdp_version": 2, "fsdp_reshard_after_forward": False},
+                 {"fsdp_auto_wrap_policy": "NO_WRAP"}):
+        more = _row(fsdp(**edit), "FSDP all-gather buffers") - gathered
+        assert more >= (shape.num_layers - 2) * layer * 2 * 0.99, edit
+    by_size = fsdp(fsdp_auto_wrap_policy="SIZE_BASED_WRAP", fsdp_min_num_params=int(layer * 2.5))  # 3-layer units
+    assert _row(by_size, "FSDP all-gather buffers") - gathered == pytest.approx(4 * layer * 2)
+    assert fsdp(fsdp_sharding_strategy="NO_SHARD").peak_bytes > full.peak_bytes > fsdp(fsdp_offload_params=True
+                                                                                     ).peak_bytes
