@@ -20,8 +20,9 @@ paths differ (the full product family x engine would cost ~15 minutes):
   equal the one-process adapter (a rank that loaded the router's bias wrong routes otherwise);
 - non-Llama layouts: GPT-NeoX on FSDP1, Phi-3 (fused qkv/gate_up) in one process;
 - an adapter trained further (--adapter_name_or_path; the Llama demo's on every engine: test_adapter_trained_further):
-  the tied Qwen2's on FSDP1, DeepSeek-V3's on ZeRO-3, Gemma-2's onto its 4-bit base on FSDP1 (FURTHER below).
-Dropped as duplicates of the paths above: Mixtral in 16 bits and Qwen3-MoE with named experts (the DeepSeek cells
+  the tied Qwen2's on FSDP1, FSDP2 and ZeRO-3, Mixtral's on FSDP1 and FSDP2, DeepSeek-V3's on ZeRO-3, Gemma-2's onto
+  its 4-bit base on FSDP1 (FURTHER below).
+Dropped as duplicates of the paths above: Qwen3-MoE with named experts (the DeepSeek cells
 run the same paths), Mistral, Qwen3 and Gemma-3 text (Llama/Qwen2-shaped decoder layers; their
 one-process runs were checked by hand), and the families' one-process runs whose FSDP cell runs here.
 """
@@ -59,6 +60,9 @@ CELLS = {
     "gemma3-multimodal-fsdp2": ("gemma3-multimodal", "fsdp2", []),
     # The 4-bit base loaded on the CPU and wrapped (issue 16), and the bf16 LoRA base (issue 19), off the Llama demo.
     "mixtral-qlora-fsdp1": ("mixtral", "fsdp1", QLORA_FLAGS),
+    # the start of the Mixtral adapter trained further (FURTHER): a 16-bit adapter (one trained over a 4-bit base
+    # keeps the resized vocabulary's rows in bf16)
+    "mixtral-fsdp1": ("mixtral", "fsdp1", []),
     # An fp32 router (transformers keeps it so) beside the bf16-stored 4-bit base: its own FSDP1 unit
     # (compat.wrap_other_dtypes_apart); without it FSDP1 refused to flatten the layer's mixed dtypes.
     "deepseek-v3-qlora-fsdp1": ("deepseek-v3", "fsdp1", QLORA_FLAGS),
@@ -83,6 +87,12 @@ FURTHER = {
     "qwen2-further-fsdp1": ("qwen2-single", "fsdp1", NO_DROPOUT),
     "deepseek-v3-further-zero3": ("deepseek-v3-fsdp1", "zero3", ["--ddp_backend", "gloo"]),
     "gemma2-further-qlora-fsdp1": ("gemma2-fsdp2", "fsdp1", QLORA_FLAGS),
+    # Issue 52: the tied pair on FSDP2 (efficient loading: ranks > 0 build on meta, then receive the adapter) and
+    # ZeRO-3 (loaded before DeepSpeed partitions it); a Mixtral-style MoE (linear router, fused experts) on both FSDPs.
+    "qwen2-further-fsdp2": ("qwen2-single", "fsdp2", NO_DROPOUT),
+    "qwen2-further-zero3": ("qwen2-single", "zero3", [*NO_DROPOUT, "--ddp_backend", "gloo"]),
+    "mixtral-further-fsdp1": ("mixtral-fsdp1", "fsdp1", []),
+    "mixtral-further-fsdp2": ("mixtral-fsdp1", "fsdp2", []),
 }
 ONE_STEP_AT_RATE_0 = ["--warmup_steps", "5", "--max_steps", "1", "--save_strategy", "no"]
 
