@@ -8,17 +8,29 @@ per-row checks nor a seeded choice; its rule for the shares is kept: proportions
 the largest one that repeats no row (`rows_taken`). Which rows of a source are taken, and the order of the mixed
 training rows (packing fills each packed row with neighbours: unshuffled, a packed row would hold one source), come
 from --seed. Test splits are mixed whole. --eval_split_size carves the test split from the mixed training rows.
+
+Sources of different shapes (a chat, prompt/completion rows, plain text) mix as the one shape every format reaches:
+TRL's own tokens. Each source's taken rows go through TRL's preparation as that source alone would (`tokenize`: the
+chat template for a chat, loss on the completion for prompt/completion rows, every token of a text row), and the
+mixture is of `input_ids`/`labels` rows, which TRL then only cuts or packs: what carries loss in each source is what
+it trains alone, by construction. Sources of one shape mix as rows, which TRL tokenizes as one dataset. Every mixed
+row keeps the index of its source (SOURCE_COLUMN), so that the data report counts each source's loss tokens; TRL
+drops that column before the model (it is no model input).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 from sft_recipe.config.args import DataTrainingArguments
-from sft_recipe.data.formats import is_conversational
+from sft_recipe.data.formats import detect_format, is_conversational, rename_columns
 from sft_recipe.data.prepare import LoadedSplits, PreparedData, hold_out_eval_slice, locate_splits, prepare
 from sft_recipe.errors import ConfigError
+
+SOURCE_COLUMN = "sft_recipe_source"  # the --dataset_name index of a mixed row's source (data/report.py counts by it)
+TOKENS = ["input_ids", "labels"]  # what TRL's preparation gives every format: the shape sources of any format mix as
 
 
 def source_names(data_args: DataTrainingArguments) -> list[str]:
@@ -92,7 +104,7 @@ def rows_taken(rows: list[int], shares: list[float] | None) -> list[int]:
 
 
 def _shape(fmt: str, dataset) -> str:
-    """What TRL is given for a converted split: sources mix only when this is the same."""
+    """What TRL is given for a converted split: sources of the same shape mix as rows, others as TRL's tokens."""
     if fmt == "text":
         return "text rows"
     if fmt in ("messages", "sharegpt"):
@@ -101,13 +113,47 @@ def _shape(fmt: str, dataset) -> str:
     return f"{'conversational ' if conversational else ''}`prompt`/`completion` rows"
 
 
+def loss_rule_problems(loaded: list[LoadedSplits], data_args: DataTrainingArguments, text_field: str,
+                       assistant_only_loss: bool) -> list[str]:
+    """The one combination whose loss rule a mixture cannot keep: --assistant_only_loss (loss on the assistant turns
+    of chat rows) beside a source with no turns (text, plain prompt/completion), which that flag refuses alone. Read
+    from the sources' columns and first rows, before any is checked or converted; a source whose format cannot be
+    told is left to its own checks."""
+    if not assistant_only_loss:
+        return []
+    chat, plain = [], []
+    for name, one, source in zip(source_names(data_args), source_args(data_args), loaded, strict=True):
+        train = source.datasets.get("train")
+        if train is None or len(train) == 0:
+            continue
+        try:
+            train = rename_columns(train, "train", one)
+            fmt = detect_format(train.column_names, "train", text_field, one.dataset_format)[0]
+        except ConfigError:
+            continue
+        (chat if is_conversational(fmt, train[0]) else plain).append(f"{name} ({fmt})")
+    if not chat or not plain:
+        return []  # all chat: the flag applies to each; none: each source's own check refuses the flag
+    return [f"--assistant_only_loss True with --dataset_name {data_args.dataset_name}: it trains the assistant turns "
+            f"of the chat sources ({', '.join(chat)}), but {', '.join(plain)} has no turns, and mixed in, every "
+            "token of its rows would carry loss (the flag refuses such a source alone). Fix: drop "
+            "--assistant_only_loss (chat sources then train every token, prompt/completion sources their "
+            "completions), give those sources as `messages` or conversational prompt/completion rows, or leave "
+            "them out of --dataset_name."]
+
+
 def prepare_sources(loaded: list[LoadedSplits], data_args: DataTrainingArguments, text_field: str, tokenizer,
-                    assistant_only_loss: bool = False, seed: int = 42) -> PreparedData:
+                    assistant_only_loss: bool = False, seed: int = 42,
+                    tokenize: Callable | None = None) -> PreparedData:
     """`prepare` for one source; for several, each source prepared on its own (every problem of every source listed
-    together), then mixed."""
+    together), then mixed. `tokenize(dataset, role, chat_template)`: TRL's preparation of one source's rows, for
+    sources of different shapes (data/prepared_copy.py gives it)."""
     if not is_mixture(data_args):
         return prepare(loaded[0], data_args, text_field, tokenizer, assistant_only_loss, seed)
-    parts, problems = [], []
+    problems = loss_rule_problems(loaded, data_args, text_field, assistant_only_loss)
+    if problems:
+        raise ConfigError(problems)
+    parts = []
     for one, source in zip(source_args(data_args), loaded, strict=True):
         try:
             parts.append(prepare(source, one, text_field, tokenizer, assistant_only_loss, seed))
@@ -115,30 +161,43 @@ def prepare_sources(loaded: list[LoadedSplits], data_args: DataTrainingArguments
             problems += e.problems
     if problems:
         raise ConfigError(problems)
-    mixed = mix(parts, source_names(data_args), proportions_of(data_args)[0], seed)
+    mixed = mix(parts, source_names(data_args), proportions_of(data_args)[0], seed, tokenize)
     return hold_out_eval_slice(mixed, data_args.eval_split_size, seed)
 
 
-def mix(parts: list[PreparedData], names: list[str], shares: list[float] | None, seed: int) -> PreparedData:
+def _rows_of(part: PreparedData, role: str, index: int, count: int, seed: int, tokenize: Callable | None):
+    """`count` rows of a source's split (chosen by `seed` when fewer than it has), as TRL's tokens when `tokenize`
+    is given, marked with the source's index. The mark is written by a map, so that the rows and it stay in one
+    table (the prepared copy links a split's Arrow files)."""
+    rows = part.datasets[role]
+    if count != len(rows):
+        rows = rows.shuffle(seed=seed).select(range(count))
+    if tokenize is not None:
+        rows = tokenize(rows, role, part.chat_template).select_columns(TOKENS)
+    return rows.map(_mark_source, fn_kwargs={"index": index}, batched=True, desc="Marking each row's source")
+
+
+def _mark_source(batch: dict, index: int) -> dict:
+    return {SOURCE_COLUMN: [index] * len(next(iter(batch.values())))}
+
+
+def mix(parts: list[PreparedData], names: list[str], shares: list[float] | None, seed: int,
+        tokenize: Callable | None = None) -> PreparedData:
     """The prepared sources as one: their training rows taken by `rows_taken` (chosen and ordered by `seed`), their
-    test rows whole. Refused when the sources give TRL different shapes."""
+    test rows whole; as rows when the sources give TRL one shape, as TRL's tokens (`tokenize`) when not."""
     roles = list(parts[0].datasets)
     shapes = {name: _shape(part.formats["train"], part.datasets["train"]) for name, part in zip(names, parts)}
-    if len(set(shapes.values())) > 1:
-        raise ConfigError([f"--dataset_name {','.join(names)}: the sources give TRL different rows ("
-                           + "; ".join(f"{n}: {shape} ({p.formats['train']})" for (n, shape), p in
-                                       zip(shapes.items(), parts)) + "), and TRL trains one shape per run. Fix: mix "
-                           "sources of one shape (messages and sharegpt give `messages`; alpaca and conversational "
-                           "prompt/completion give conversational `prompt`/`completion`), or train them in turn "
-                           "(--adapter_name_or_path continues from the first run's adapter)."])
+    as_tokens = len(set(shapes.values())) > 1
+    if as_tokens and tokenize is None:
+        raise TypeError("sources of different shapes mix as TRL's tokens: mix() needs `tokenize`")
     taken = rows_taken([len(part.datasets["train"]) for part in parts], shares)
-    trains = [part.datasets["train"] if count == len(part.datasets["train"])
-              else part.datasets["train"].shuffle(seed=seed).select(range(count))
-              for part, count in zip(parts, taken, strict=True)]
+    step = tokenize if as_tokens else None
+    trains = [_rows_of(part, "train", n, count, seed, step) for n, (part, count) in enumerate(zip(parts, taken))]
     datasets = {"train": _concatenate(trains, names).shuffle(seed=seed)}
     for role in roles:
         if role != "train":
-            datasets[role] = _concatenate([part.datasets[role] for part in parts], names)
+            datasets[role] = _concatenate([_rows_of(part, role, n, len(part.datasets[role]), seed, step)
+                                           for n, part in enumerate(parts)], names)
     kinds = list(dict.fromkeys(part.formats["train"] for part in parts))
     described = f"--dataset_proportions {','.join(f'{s:g}' for s in shares)}" if shares else "every row of each"
     sources = [{"name": name, "format": part.formats["train"], "rows_read": part.rows_read["train"],
@@ -150,6 +209,10 @@ def mix(parts: list[PreparedData], names: list[str], shares: list[float] | None,
     notes.append(f"data: mixed {len(parts)} sources ({described}, seed {seed}): "
                  + ", ".join(f"{s['name']} {s['train_rows']} of {s['rows_read'] - s['rows_dropped']} train rows"
                              for s in sources))
+    if as_tokens:
+        notes.append("data: the sources give TRL different rows (" + "; ".join(f"{n}: {shape}" for n, shape in
+                     shapes.items()) + "): each source's rows were tokenized by TRL as that source alone would be "
+                     "(its own loss rule), and the mixture is of those tokens")
     return PreparedData(datasets=datasets, formats={role: "+".join(kinds) for role in datasets}, notes=notes,
                         rows_read={role: sum(p.rows_read[role] for p in parts) for role in datasets},
                         rows_dropped={role: sum(p.rows_dropped[role] for p in parts) for role in datasets},

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 PREPARED_DIR = "sft_recipe_prepared"  # under datasets' cache folder
 META_FILE = "prepared.json"
-FORMAT_VERSION = 2  # bump when what is saved, or how the rows are prepared, changes
+FORMAT_VERSION = 3  # bump when what is saved, or how the rows are prepared, changes
 MIN_ROWS_PER_PROCESS = 1000  # below this a worker's start-up costs more than its share of the tokenizing saves
 VERSIONED = ("trl", "datasets", "transformers", "tokenizers", "jinja2")
 
@@ -300,9 +300,18 @@ def _prepare_here(data_args: DataTrainingArguments, training_args, tokenizer, sh
         return copy, True
     if peer_copy and Path(peer_copy).name == key and (copy := load_copy(key, Path(peer_copy))) is not None:
         return copy, True
+    def tokenize_source(dataset, role: str, chat_template: str | None):
+        """One source of a mixture through TRL's preparation, as that source alone is (tokenize, below)."""
+        from sft_recipe.data.report import tokenize_like_trl
+
+        processes = tokenizing_processes(len(dataset), training_args.dataset_num_proc, sharing)
+        return tokenize_like_trl(dataset, tokenizer, training_args, chat_template,
+                                 processes if processes > 1 else None, name=role)
+
     data = prepare_sources(loaded or [read_splits(one) for one in sources], data_args,
                            training_args.dataset_text_field, tokenizer,
-                           assistant_only_loss=training_args.assistant_only_loss, seed=training_args.seed)
+                           assistant_only_loss=training_args.assistant_only_loss, seed=training_args.seed,
+                           tokenize=tokenize_source)
     tokenize(data, tokenizer, training_args, sharing)
     if save_copy(data, key) and (saved := load_copy(key)):
         data = saved  # read back: the trainer's cuts and packing are then cached beside the copy, for every rank

@@ -61,6 +61,7 @@ class SourceReport:
     train_rows: int  # taken into the mixed training rows (--dataset_proportions)
     train_share: float  # of the mixed training rows, before --eval_split_size
     test_rows: int | None  # its test split, mixed whole
+    loss_tokens: int | None = None  # of the mixture's train split (after the cut), those of this source's rows
 
 
 @dataclass
@@ -96,7 +97,8 @@ class DataReport:
         for source in self.sources or []:
             lines.append(f"  source {source.name}: {source.train_rows} of {source.rows_read} train rows "
                          f"({source.train_share:.1%} of the mixture, {source.format}, {source.rows_dropped} dropped)"
-                         + (f", {source.test_rows} test rows" if source.test_rows is not None else ""))
+                         + (f", {source.test_rows} test rows" if source.test_rows is not None else "")
+                         + (f", {source.loss_tokens} tokens carrying loss" if source.loss_tokens is not None else ""))
         train = self.splits.get("train")
         if train:
             packing = (f"packing ({self.packing_strategy}): {train.packed_rows} rows, "
@@ -120,6 +122,8 @@ def tokenize_like_trl(dataset, tokenizer, training_args, chat_template: str | No
 
     from sft_recipe.compat import without_rank_barriers
 
+    if "input_ids" in dataset.column_names:  # a mixture of sources of different shapes, tokenized per source
+        return dataset
     args = copy.copy(training_args)
     args.max_length, args.packing, args.shuffle_dataset = None, False, False
     args.dataset_num_proc = num_proc
@@ -167,12 +171,17 @@ def token_batches(dataset, columns: list[str]):
 
 def _example_stats(tokenized, limit: int | None, keep: str, eos_token_id) -> dict[str, np.ndarray]:
     """Per example: tokens, loss tokens kept by a cut at `limit` (`keep`: "all", "start" or "end"), whether it ends
-    in EOS and whether that EOS carries loss. Read through Arrow a batch at a time: per-example numbers only, never
-    every token of the split at once."""
+    in EOS and whether that EOS carries loss, and the mixture source it came from (where rows are marked). Read
+    through Arrow a batch at a time: per-example numbers only, never every token of the split at once."""
     import pyarrow.compute as pc
 
-    parts: dict[str, list] = {"lengths": [], "loss_kept": [], "ends_in_eos": [], "eos_has_loss": []}
-    for batch in token_batches(tokenized, ["input_ids", "labels"]):
+    from sft_recipe.data.mixture import SOURCE_COLUMN
+
+    marked = SOURCE_COLUMN in tokenized.column_names
+    parts: dict[str, list] = {"lengths": [], "loss_kept": [], "ends_in_eos": [], "eos_has_loss": [], "source": []}
+    for batch in token_batches(tokenized, ["input_ids", "labels", *([SOURCE_COLUMN] if marked else [])]):
+        if marked:
+            parts["source"].append(np.asarray(batch[SOURCE_COLUMN], dtype=np.int64))
         lengths = np.asarray(pc.list_value_length(batch["input_ids"]), dtype=np.int64)
         ids = np.asarray(pc.list_flatten(batch["input_ids"]), dtype=np.int64)
         labels = np.asarray(pc.list_flatten(batch["labels"]), dtype=np.int64)
@@ -195,7 +204,9 @@ def _example_stats(tokenized, limit: int | None, keep: str, eos_token_id) -> dic
     return {k: np.concatenate(v) if v else np.zeros(0, dtype=np.int64) for k, v in parts.items()}
 
 
-def measure_split(tokenized, fmt: str, rows_read: int, rows_dropped: int, training_args, eos_token_id) -> SplitReport:
+def measure_split(tokenized, fmt: str, rows_read: int, rows_dropped: int, training_args,
+                  eos_token_id) -> tuple[SplitReport, list[int] | None]:
+    """The split's report, and the loss tokens of each mixture source's rows (None: rows not marked by a source)."""
     limit = training_args.max_length
     packing, strategy = training_args.packing, training_args.packing_strategy
     splits_long = packing and strategy in ("bfd_split", "wrapped")  # long examples continue in another row
@@ -213,6 +224,9 @@ def measure_split(tokenized, fmt: str, rows_read: int, rows_dropped: int, traini
         without_loss = int(((loss_kept == 0) & (lengths > 0)).sum())
         kept = np.where(loss_kept > 0, kept, 0)
     tokens_trained, loss_tokens = int(kept.sum()), int(loss_kept.sum())
+    by_source = None
+    if len(stats["source"]) == len(lengths) and len(lengths):
+        by_source = np.bincount(stats["source"], weights=loss_kept).astype(np.int64).tolist()
     packed_rows = efficiency = None
     if packing:
         from trl.data_utils import pack_dataset
@@ -236,7 +250,7 @@ def measure_split(tokenized, fmt: str, rows_read: int, rows_dropped: int, traini
         tokens_cut_share=cut / total if total else 0.0,
         examples_left_without_loss=without_loss, tokens_trained=tokens_trained, loss_tokens=loss_tokens,
         loss_token_share=loss_tokens / tokens_trained if tokens_trained else 0.0,
-        packed_rows=packed_rows, packing_efficiency=efficiency, eos_with_loss_share=eos_share)
+        packed_rows=packed_rows, packing_efficiency=efficiency, eos_with_loss_share=eos_share), by_source
 
 
 def _warnings(report: DataReport) -> list[str]:
@@ -271,9 +285,15 @@ def tokenized_splits(prepared, tokenizer, training_args) -> dict:
 
 def measure(prepared, tokenizer, training_args) -> DataReport:
     """The report for every split of a `data.PreparedData`, read from its tokenized splits (`tokenized`)."""
-    splits = {role: measure_split(tokenized, prepared.formats[role], prepared.rows_read[role],
-                                  prepared.rows_dropped[role], training_args, tokenizer.eos_token_id)
-              for role, tokenized in tokenized_splits(prepared, tokenizer, training_args).items()}
+    measured = {role: measure_split(tokenized, prepared.formats[role], prepared.rows_read[role],
+                                    prepared.rows_dropped[role], training_args, tokenizer.eos_token_id)
+                for role, tokenized in tokenized_splits(prepared, tokenizer, training_args).items()}
+    splits = {role: split for role, (split, _) in measured.items()}
+    sources = [SourceReport(**s) for s in prepared.mixture] if prepared.mixture else None
+    by_source = measured["train"][1] if "train" in measured else None
+    for n, source in enumerate(sources or []):
+        if by_source is not None:  # a source whose rows were all cut away counts 0
+            source.loss_tokens = by_source[n] if n < len(by_source) else 0
     carved = getattr(prepared, "carved", None)
     if carved and "test" in splits:
         splits["test"].held_out_of = (f"{carved['from']}: --eval_split_size {carved['eval_split_size']:g}, "
@@ -281,8 +301,7 @@ def measure(prepared, tokenizer, training_args) -> DataReport:
     report = DataReport(max_length=training_args.max_length, packing=bool(training_args.packing),
                         packing_strategy=training_args.packing_strategy if training_args.packing else None,
                         truncation_mode=training_args.truncation_mode, cut_warning_share=CUT_WARNING_SHARE,
-                        splits=splits,
-                        sources=[SourceReport(**s) for s in prepared.mixture] if prepared.mixture else None)
+                        splits=splits, sources=sources)
     report.warnings = _warnings(report)
     return report
 

@@ -1,8 +1,10 @@
 """Each data format through the real train.py: recognised with no flag, trained end to end on the tiny model with
-the adapter verified, and what was trained recorded (data_report.json, the trainer's own counts). Alpaca and
-conversational prompt/completion train as one mixture of two sources (`--dataset_name a,b`), on one process and,
-3:1, under FSDP2; prompt/completion 2:1 with a copy of itself under FSDP1, through `accelerate launch`. A bad file
-and the preview stop before any weight is loaded: the model folder they are given has no weights at all."""
+the adapter verified, and what was trained recorded (data_report.json, the trainer's own counts). Sources of
+different shapes (a chat, prompt/completion rows, text) train as one mixture (`--dataset_name a,b,c`) on one
+process, under FSDP2 (new-token rows trained, then resumed on one rank from the same prepared copy) and under
+ZeRO-3, each source's loss tokens those it trains alone; prompt/completion 2:1 with a copy of itself (one shape)
+under FSDP1, through `accelerate launch`. A bad file and the preview stop before any weight is loaded: the model
+folder they are given has no weights at all."""
 
 from __future__ import annotations
 
@@ -13,15 +15,24 @@ import sys
 import pytest
 from safetensors import safe_open
 
-from tests.helpers import REPO, launch_train, run_command
+from tests.helpers import REPO, launch_env, launch_train, run_command
 
 FLAGS = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "all-linear",
          "--max_steps", "2", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--report_to", "none",
          "--save_strategy", "no", "--eval_strategy", "no", "--max_seq_len", "128", "--seed", "3"]
 # format folders (several: one mixture) -> (formats detected, the report's format, loss on the answers only)
 CASES = {"sharegpt": (["sharegpt"], "sharegpt", False),
-         "alpaca+prompt_completion_chat": (["alpaca", "prompt_completion"], "alpaca+prompt_completion", True),
          "prompt_completion": (["prompt_completion"], "prompt_completion", True)}
+# mixtures of sources of different shapes: (engine's config, launcher flags, sources, recipe flags); "text" is the
+# tiny data rendered as text (--dataset_text_field content)
+ZERO3 = ["--per_device_train_batch_size", "2", "--ddp_backend", "gloo", "--bf16", "False"]
+MIXED = {"single": (None, (), ("sharegpt", "prompt_completion_chat", "prompt_completion", "text"),
+                    ["--packing", "True"]),
+         "fsdp2": ("cpu/fsdp2_config.yaml", (), ("messages", "alpaca", "text"),
+                   ["--packing", "False", "--chat_template_format", "chatml", "--train_new_tokens", "True",
+                    "--save_strategy", "steps", "--save_steps", "2"]),
+         "zero3": ("cpu/deepspeed_config.yaml", (), ("sharegpt", "prompt_completion", "text"),
+                   ["--packing", "True", *ZERO3])}
 
 
 def _dataset_name(format_datasets, case: str) -> str:
@@ -68,21 +79,13 @@ def _assert_trained(result, case: str, answer_tokens: int | None, rows: int = 24
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_format_trains_end_to_end(tiny, format_datasets, tmp_path, case):
-    sources = case.split("+")
     result = _train(tiny, _dataset_name(format_datasets, case), tmp_path / "out", "--packing", "True")
-    # the same 240 conversations in each source: a mixture of two trains 480 rows, every answer twice
-    answers = _answer_tokens(tiny) * len(sources) if CASES[case][2] else None
-    report = _assert_trained(result, case, answers, rows=240 * len(sources))
+    report = _assert_trained(result, case, _answer_tokens(tiny) if CASES[case][2] else None)
     assert report["packing"] and 0.5 < report["splits"]["train"]["packing_efficiency"] <= 1
-    if len(sources) > 1:
-        assert [(s["name"], s["train_rows"], s["test_rows"]) for s in report["sources"]] == [
-            (str(format_datasets[part]), 240, 40) for part in sources]
-        assert report["splits"]["test"]["rows"] == 80
 
 
 @pytest.mark.parametrize("config,case,version,shares,taken", [
-    # 3:1 of two sources of 240 rows: all of the first, 80 of the second; 2:1 of prompt/completion and a copy of it
-    ("cpu/fsdp2_config.yaml", "alpaca+prompt_completion_chat", 2, "3,1", (240, 80)),
+    # 2:1 of prompt/completion and a copy of it: all of the first, 120 of the second
     ("cpu/fsdp_config.yaml", "prompt_completion", 1, "2,1", (240, 120))])
 def test_answer_only_formats_under_fsdp_train_the_answers_only(tiny, format_datasets, tmp_path, config, case, version,
                                                               shares, taken):
@@ -166,3 +169,81 @@ def test_a_held_out_eval_slice_is_evaluated_and_named_in_the_report(tiny, tmp_pa
     assert report["splits"]["test"]["held_out_of"] == "train: --eval_split_size 0.1, seed 3"
     assert (report["splits"]["train"]["rows"], report["splits"]["test"]["rows"]) == (216, 24)
     assert len(result.record["training"]["eval_losses"]) == 2  # steps 2 and 4, on the held-out rows
+
+
+@pytest.fixture(scope="module")
+def mixed_runs(tiny, format_datasets, tmp_path_factory):
+    """engine -> (its launch of a MIXED mixture, the sources' folders, the flags, the environment), launched once."""
+    runs = {}
+
+    def run(engine: str):
+        if engine not in runs:
+            config, launcher_args, parts, extra = MIXED[engine]
+            folders = [str(tiny.text_dir if part == "text" else format_datasets[part]) for part in parts]
+            out = tmp_path_factory.mktemp(f"mixed-{engine}") / "out"
+            flags = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", ",".join(folders), *FLAGS,
+                     "--dataset_text_field", "content", *extra]
+            env = launch_env(cpu_switch=engine != "zero3")
+            result = run_command([sys.executable, str(REPO / "train.py"), "--output_dir", str(out), *flags], out, env) \
+                if config is None else launch_train(config, out, flags, env=env, launcher_args=launcher_args)
+            runs[engine] = (result, folders, flags, env)
+        return runs[engine]
+
+    return run
+
+
+def _alone(tiny, tmp_path, folder: str, flags: list[str]):
+    """The train split's report of one source read alone with a run's flags, in this process: what it trains."""
+    from sft_recipe.config.args import parse_args
+    from sft_recipe.config.launch_env import LaunchEnv
+    from sft_recipe.data import prepared_copy
+    from sft_recipe.data.report import measure
+    from sft_recipe.train.model import load_tokenizer
+
+    named = flags.index("--dataset_name") + 1
+    flags = [*flags[:named], folder, *flags[named + 1:]]
+    if "--ddp_backend" in flags:  # a process group's setting, none in this process; the data does not depend on it
+        at = flags.index("--ddp_backend")
+        flags = flags[:at] + flags[at + 2:]
+    model, data_args, _, training_args = parse_args([*flags, "--output_dir", str(tmp_path / "alone")], LaunchEnv())
+    tokenizer = load_tokenizer(model, False)
+    data = prepared_copy.prepare_here(data_args, training_args, tokenizer)[0]
+    return measure(data, tokenizer, training_args).splits["train"]
+
+
+@pytest.mark.parametrize("engine", list(MIXED))
+def test_sources_of_different_formats_train_as_one_mixture(mixed_runs, tiny, tmp_path, monkeypatch, engine):
+    from sft_recipe.data import prepared_copy
+
+    result, folders, flags, _ = mixed_runs(engine)
+    assert result.returncode == 0, result.output[-6000:]
+    assert "adapter check OK" in result.output and "the sources give TRL different rows" in result.output
+    report = json.loads((result.output_dir / "data_report.json").read_text())
+    train, sources = report["splits"]["train"], report["sources"]
+    monkeypatch.setattr(prepared_copy, "copy_root", lambda: tmp_path / "copies")
+    alone = [_alone(tiny, tmp_path, folder, flags) for folder in folders]
+    # each source trains what it trains alone, and the mixture is their sum: counted by the trainer itself too
+    assert [s["loss_tokens"] for s in sources] == [one.loss_tokens for one in alone]
+    assert train["loss_tokens"] == sum(one.loss_tokens for one in alone) == report["trainer_check"]["loss_tokens"]
+    assert report["trainer_check"]["matches_prediction"] and train["rows"] == 240 * len(folders)
+    assert [(s["name"], s["train_rows"]) for s in sources] == [(folder, 240) for folder in folders]
+    if engine != "single":
+        how = result.record["distribution"]
+        assert how["num_processes"] == 2 and (engine == "zero3" or how["fsdp_modules"] > 0)
+
+
+def test_a_mixture_of_formats_resumes_on_another_rank_count_from_its_prepared_copy(mixed_runs, tmp_path):
+    """The FSDP2 run's checkpoint-2 resumed on one rank with the same global batch (2 x 4 rows = 1 x 4 x 2), in the
+    same datasets cache: the prepared copy is read, not prepared again, and training goes on to step 3."""
+    first, _, flags, env = mixed_runs("fsdp2")
+    assert first.returncode == 0, first.output[-6000:]
+    out = tmp_path / "resumed"
+    shutil.copytree(first.output_dir, out)
+    result = launch_train("cpu/fsdp2_config.yaml", out, [
+        *flags, "--max_steps", "3", "--gradient_accumulation_steps", "2",
+        "--resume_from_checkpoint", str(out / "checkpoint-2")], env=env, launcher_args=("--num_processes", "1"))
+    assert result.returncode == 0, result.output[-6000:]
+    assert "read the copy a previous launch prepared" in result.output and "adapter check OK" in result.output
+    assert result.record["distribution"]["num_processes"] == 1 and result.record["training"]["global_steps"] == 3
+    assert json.loads((out / "data_report.json").read_text())["splits"] == \
+        json.loads((first.output_dir / "data_report.json").read_text())["splits"]

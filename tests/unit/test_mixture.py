@@ -45,7 +45,7 @@ def _prepare(m, d, t, seed):
     from sft_recipe.train.model import load_tokenizer
 
     return prepare_sources([read_splits(one) for one in source_args(d)], d, t.dataset_text_field,
-                           load_tokenizer(m, False), seed=seed)
+                           load_tokenizer(m, False), t.assistant_only_loss, seed=seed)
 
 
 def _users(dataset) -> list[str]:
@@ -117,14 +117,73 @@ def test_the_eval_slice_is_carved_from_the_mixture(tiny, tmp_path, questions):
     assert data.carved["rows"] == 34 and (data.rows_read["train"], data.rows_read["test"]) == (306, 34)
 
 
-def test_sources_that_give_trl_different_rows_are_refused_naming_both(tiny, tmp_path, format_datasets):
-    m, d, _, t = _args(tiny, tmp_path, f"{format_datasets['sharegpt']},{format_datasets['alpaca']}")
+def _answer_tokens(tokenizer, folder) -> int:
+    """Tokens of every train answer and its EOS, counted from the answers alone (the last turn of each row of the
+    prompt/completion file): what a prompt/completion source trains."""
+    rows = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
+    answers = [row["completion"] if isinstance(row["completion"], str) else row["completion"][-1]["content"]
+               for row in rows]
+    return sum(len(tokenizer(a + tokenizer.eos_token, add_special_tokens=False)["input_ids"]) for a in answers)
+
+
+def _report(tiny, tmp_path, dataset_name, *flags):
+    from sft_recipe.train.model import load_tokenizer
+
+    m, d, _, t = _args(tiny, tmp_path, dataset_name, "--dataset_text_field", "content", *flags)
+    tokenizer = load_tokenizer(m, False)
+    data, from_copy = pc.prepare_here(d, t, tokenizer)
+    return data, measure(data, tokenizer, t), from_copy, tokenizer
+
+
+def test_sources_of_different_shapes_mix_each_with_the_loss_it_trains_alone(tiny, tmp_path, format_datasets):
+    # a chat, conversational and plain prompt/completion, and text: four shapes TRL takes one at a time
+    names = [str(format_datasets["sharegpt"]), str(format_datasets["prompt_completion_chat"]),
+             str(format_datasets["prompt_completion"]), str(tiny.text_dir)]
+    alone = [_report(tiny, tmp_path, name)[1].splits["train"] for name in names]
+    data, report, _, tokenizer = _report(tiny, tmp_path, ",".join(names))
+    train = report.splits["train"]
+    assert [s.loss_tokens for s in report.sources] == [one.loss_tokens for one in alone]
+    assert train.loss_tokens == sum(one.loss_tokens for one in alone) and train.rows == 4 * 240
+    assert train.tokens_trained == sum(one.tokens_trained for one in alone)
+    # what each rule means, counted without the recipe: a chat and a text row train every token, prompt/completion
+    # rows their answers
+    answers = _answer_tokens(tokenizer, format_datasets["prompt_completion"])
+    assert [one.loss_token_share for one in (alone[0], alone[3])] == [1.0, 1.0]
+    assert report.sources[1].loss_tokens == report.sources[2].loss_tokens == answers
+    assert report.splits["test"].rows == 4 * 40
+    assert train.format == "sharegpt+prompt_completion+text"
+    log = "\n".join(data.notes)
+    assert "the sources give TRL different rows" in log and f"{names[3]}: text rows" in log
+    assert f"source {names[2]}: 240 of 240 train rows (25.0% of the mixture, prompt_completion, 0 dropped), 40 " \
+           f"test rows, {answers} tokens carrying loss" in report.render()
+
+
+def test_a_mixture_of_shapes_takes_its_shares_and_eval_slice_and_is_kept_as_one_copy(tiny, tmp_path,
+                                                                                    format_datasets):
+    name = f"{format_datasets['messages']},{format_datasets['alpaca']},{tiny.text_dir}"
+    flags = ("--dataset_proportions", "2,1,1", "--splits", "train", "--eval_split_size", "0.1", "--seed", "4")
+    data, report, from_copy, _ = _report(tiny, tmp_path, name, *flags)
+    again, report_again, from_copy_again, _ = _report(tiny, tmp_path, name, *flags)
+    assert not from_copy and from_copy_again and report_again == report
+    # 2:1:1 of three sources of 240 rows: all of the first, 120 of each other; 48 of the 480 held out
+    assert [s.train_rows for s in report.sources] == [240, 120, 120]
+    assert (report.splits["train"].rows, report.splits["test"].rows) == (432, 48)
+    assert sum(s.loss_tokens for s in report.sources) == report.splits["train"].loss_tokens
+    assert len(again.tokenized["train"]) + len(again.tokenized["test"]) == 480  # every taken row once
+    other = _report(tiny, tmp_path, name, *flags[:-1], "5")[1]
+    assert other.splits["test"] != report.splits["test"]  # the seed picks the rows
+
+
+def test_assistant_only_loss_beside_a_source_without_turns_is_refused_naming_both(tiny, tmp_path,
+                                                                                 format_datasets):
+    m, d, _, t = _args(tiny, tmp_path, f"{format_datasets['sharegpt']},{format_datasets['prompt_completion']}",
+                       "--assistant_only_loss", "True")
     with pytest.raises(ConfigError) as e:
         _prepare(m, d, t, 3)
     message = str(e.value)
-    assert f"{format_datasets['sharegpt']}: `messages` rows (sharegpt)" in message
-    assert f"{format_datasets['alpaca']}: conversational `prompt`/`completion` rows (alpaca)" in message
-    assert "TRL trains one shape per run" in message
+    assert f"chat sources ({format_datasets['sharegpt']} (sharegpt))" in message
+    assert f"but {format_datasets['prompt_completion']} (prompt_completion) has no turns" in message
+    assert "Fix: drop --assistant_only_loss" in message
 
 
 def test_bad_rows_of_every_source_are_listed_together(tiny, tmp_path, questions):
