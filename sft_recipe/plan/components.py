@@ -308,9 +308,10 @@ def gather_bytes(shape: ModelShape, w: Workload, d: Distribution) -> tuple[float
     # fsdp_min_num_params (SIZE_BASED_WRAP), or the whole model as one unit (NO_WRAP: nothing is ever sharded away
     # while it computes).
     layers_per_unit = 1
-    if d.wrap_policy == "SIZE_BASED_WRAP":
+    policy = d.wrap_policy if not w.lora else "TRANSFORMER_BASED_WRAP"  # a LoRA run is wrapped by PEFT's policy
+    if policy == "SIZE_BASED_WRAP":
         layers_per_unit = min(shape.num_layers, max(1, -(-d.min_num_params // max(1, shape.layer_params))))
-    if d.wrap_policy == "NO_WRAP":
+    if policy == "NO_WRAP":
         total, formula = root + shape.num_layers * layer, "the whole model (NO_WRAP: one unit)"
     elif d.reshards_after_forward:
         units = min(2 * layers_per_unit, shape.num_layers)

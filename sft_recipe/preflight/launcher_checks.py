@@ -70,6 +70,22 @@ def deepspeed_value_problems(t, launch: LaunchEnv) -> list[str]:
     return []
 
 
+def wrap_policy_problems(m, launch: LaunchEnv) -> list[str]:
+    """A LoRA run is wrapped by PEFT's policy whatever the YAML says: transformers' Trainer replaces the plugin's
+    policy with `peft.utils.other.fsdp_auto_wrap_policy` (`update_fsdp_plugin_peft`: a unit per decoder layer and per
+    LoRA layer, which FSDP1 with use_orig_params false needs to keep trained and frozen weights in separate units).
+    A NO_WRAP or SIZE_BASED_WRAP edit would be dropped in silence (tests/e2e/test_yaml_edits.py launches it and reads
+    the units back): refused. A full fine-tune keeps the YAML's policy."""
+    policy = launch.fsdp_auto_wrap_policy.upper()
+    if not (launch.use_fsdp and m.use_peft_lora and policy in ("NO_WRAP", "SIZE_BASED_WRAP")):
+        return []
+    return [f"fsdp_auto_wrap_policy: {policy} with --use_peft_lora True: transformers' Trainer wraps a PEFT model with "
+            "PEFT's own policy (a unit per decoder layer and per LoRA layer), so the edit would not take effect and "
+            "the run would train as TRANSFORMER_BASED_WRAP. Fix: fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP "
+            "(what runs; fewer, larger units are not available to a LoRA run), or a full fine-tune (--use_peft_lora "
+            "False), which keeps the YAML's policy."]
+
+
 def repeated_block_classes(model) -> list[str]:
     """Classes of the modules held in the model's ModuleLists: the repeated blocks a transformer wrap policy wraps,
     found from the module structure."""

@@ -21,6 +21,7 @@ from sft_recipe.preflight.launcher_checks import (
     launcher_yaml_problems,
     precision_problems,
     wrap_class_problems,
+    wrap_policy_problems,
 )
 from sft_recipe.preflight.trainer_checks import trainer_problems
 from sft_recipe.train.model import flash_attn_problem
@@ -337,6 +338,7 @@ def validate(m: ModelArguments, d: DataTrainingArguments, r: RecipeArguments, t,
     problems += _training_problems(m, d, r, t, launch)
     problems += launcher_yaml_problems(launch)  # the accelerate YAML's keys and values, as accelerate reads them
     problems += precision_problems(t, launch) + deepspeed_value_problems(t, launch)  # the YAML against the flags
+    problems += wrap_policy_problems(m, launch)  # a wrap policy a LoRA run would not keep
     problems += _fsdp_env_problems(m, launch)
     problems += _deepspeed_env_problems(m, t, launch)
     problems += optional_dependency_problems(m, t, launch)  # every optional package a setting implies

@@ -49,9 +49,13 @@ REFUSED = {
         "fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer: Qwen2ForCausalLM has no module of that class",
         "Fix: fsdp_transformer_layer_cls_to_wrap: Qwen2DecoderLayer",
         "mixed_precision: bf16 in the accelerate config", "but the flags ask for fp32"]),
-    "fsdp2-mistakes": ("fsdp2", {"reshard_after_foward": False}, {}, [
+    # NO_WRAP: a LoRA run is wrapped by PEFT's policy whatever the YAML says (measured: a FSDP1 LoRA run launched
+    # with NO_WRAP, SIZE_BASED_WRAP and TRANSFORMER_BASED_WRAP wrapped the same 31 units)
+    "fsdp2-mistakes": ("fsdp2", {"reshard_after_foward": False, "fsdp_auto_wrap_policy": "NO_WRAP"}, {}, [
         "`fsdp_config.reshard_after_foward` is not a key accelerate knows",
-        "Did you mean `fsdp_reshard_after_forward`?"]),
+        "Did you mean `fsdp_reshard_after_forward`?",
+        "fsdp_auto_wrap_policy: NO_WRAP with --use_peft_lora True", "Fix: fsdp_auto_wrap_policy: "
+        "TRANSFORMER_BASED_WRAP"]),
     "zero3-mistakes": ("zero3", {"zero_stag": 2, "gradient_clipping": 0.5}, {}, [
         "`deepspeed_config.zero_stag` is not a key accelerate knows", "Did you mean `zero_stage`?",
         "gradient_clipping: 0.5 in the DeepSpeed config but --max_grad_norm 1"]),

@@ -19,6 +19,7 @@ from sft_recipe.preflight.launcher_checks import (
     deepspeed_value_problems,
     precision_problems,
     wrap_class_problems,
+    wrap_policy_problems,
 )
 from tests.helpers import REPO
 
@@ -179,3 +180,18 @@ def test_a_layer_class_to_wrap_must_be_one_the_models_structure_has(family, tmp_
     assert f"Its repeated blocks are {block}" in found[0] and f"Fix: fsdp_transformer_layer_cls_to_wrap: {block}" \
         in found[0]
     assert problems(wrong, policy="SIZE_BASED_WRAP") == []  # the class is not read under a size policy
+
+
+@pytest.mark.parametrize("policy", ["NO_WRAP", "SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP", ""])
+@pytest.mark.parametrize("lora", [True, False])
+def test_a_wrap_policy_a_lora_run_would_not_keep_is_refused_naming_it(policy, lora):
+    # transformers' Trainer wraps a PEFT model with PEFT's policy (update_fsdp_plugin_peft); a full fine-tune keeps
+    # the YAML's. "": the YAML does not say (nothing was edited).
+    found = wrap_policy_problems(ModelArguments(use_peft_lora=lora),
+                                 LaunchEnv(use_fsdp=True, fsdp_auto_wrap_policy=policy))
+    if lora and policy in ("NO_WRAP", "SIZE_BASED_WRAP"):
+        assert len(found) == 1 and found[0].startswith(f"fsdp_auto_wrap_policy: {policy} with --use_peft_lora True")
+        assert "Fix: fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP" in found[0]
+    else:
+        assert found == []
+    assert wrap_policy_problems(ModelArguments(use_peft_lora=lora), LaunchEnv(fsdp_auto_wrap_policy=policy)) == []

@@ -374,24 +374,31 @@ def test_the_accelerate_yaml_edits_that_change_memory_move_the_plan(lora_args):
     """Issue 51: NO_SHARD, SHARD_GRAD_OP / FSDP2's reshard_after_forward false, offload and the wrap policy each show
     in the plan. Expectations from the model's size, not the plan's own formulas: NO_SHARD holds every weight
     (P x 2 bytes, bf16) on each GPU; offload holds none; without reshard or with NO_WRAP every layer stays gathered
-    (at least the L-2 layers beyond FULL_SHARD's two); a SIZE_BASED_WRAP unit of 3 layers gathers 4 more."""
+    (at least the L-2 layers beyond FULL_SHARD's two); a SIZE_BASED_WRAP unit of 3 layers gathers 4 more. The wrap
+    policy is a full fine-tune's: a LoRA run is wrapped by PEFT's policy whatever the YAML says (so its plan does not
+    move; the edit is refused before load, tests/unit/test_launcher_yaml.py)."""
     shape = model_shape(LLAMA_70B, extra_vocab=4)
     p, layer = shape.total_params, shape.layer_params
+    model_args, data_args, recipe_args, training_args = lora_args
+    full_fine_tune = (replace(model_args, use_peft_lora=False), data_args, recipe_args, training_args)
 
-    def fsdp(**fsdp_config):
+    def fsdp(args=lora_args, **fsdp_config):
         config = _fsdp(8)
         config["fsdp_config"].update(fsdp_config)
-        return _plan(lora_args, config, ladder=False)
+        return _plan(args, config, ladder=False)
 
     full = fsdp()
     assert _row(fsdp(fsdp_sharding_strategy="NO_SHARD"), "base weights") == pytest.approx(p * 2)
     assert _row(fsdp(fsdp_offload_params=True), "base weights") == 0
     gathered = _row(full, "FSDP all-gather buffers")
-    for edit in ({"fsdp_sharding_strategy": "SHARD_GRAD_OP"}, {"fsdp_version": 2, "fsdp_reshard_after_forward": False},
-                 {"fsdp_auto_wrap_policy": "NO_WRAP"}):
+    for edit in ({"fsdp_sharding_strategy": "SHARD_GRAD_OP"}, {"fsdp_version": 2, "fsdp_reshard_after_forward": False}):
         more = _row(fsdp(**edit), "FSDP all-gather buffers") - gathered
         assert more >= (shape.num_layers - 2) * layer * 2 * 0.99, edit
-    by_size = fsdp(fsdp_auto_wrap_policy="SIZE_BASED_WRAP", fsdp_min_num_params=int(layer * 2.5))  # 3-layer units
-    assert _row(by_size, "FSDP all-gather buffers") - gathered == pytest.approx(4 * layer * 2)
+    assert _row(fsdp(fsdp_auto_wrap_policy="NO_WRAP"), "FSDP all-gather buffers") == gathered  # LoRA: PEFT's policy
+    gathered_full = _row(fsdp(full_fine_tune), "FSDP all-gather buffers")
+    more = _row(fsdp(full_fine_tune, fsdp_auto_wrap_policy="NO_WRAP"), "FSDP all-gather buffers") - gathered_full
+    assert more >= (shape.num_layers - 2) * layer * 2 * 0.99
+    by_size = fsdp(full_fine_tune, fsdp_auto_wrap_policy="SIZE_BASED_WRAP", fsdp_min_num_params=int(layer * 2.5))
+    assert _row(by_size, "FSDP all-gather buffers") - gathered_full == pytest.approx(4 * layer * 2)  # 3-layer units
     assert fsdp(fsdp_sharding_strategy="NO_SHARD").peak_bytes > full.peak_bytes > fsdp(fsdp_offload_params=True
                                                                                      ).peak_bytes
