@@ -47,7 +47,10 @@ def restore_bnb_4bit_storage_layout(model) -> int:
         return 0
     restored = 0
     for module in model.modules():
-        weight = getattr(module, "weight", None)
+        # The registered parameter, not `module.weight`: PEFT's trainable-token and modules-to-save wrappers answer
+        # `weight` by merging their rows into the base weight, which under FSDP1 is a flat shard (IndexError at the
+        # end of a QLoRA run with --train_new_tokens; bench/use_orig_params.py found it).
+        weight = module._parameters.get("weight")
         state = getattr(weight, "quant_state", None)
         if state is not None and getattr(state, "packing_format_for_cpu", False):
             weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)

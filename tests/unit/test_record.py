@@ -74,6 +74,26 @@ def test_a_cpu_evaluation_does_not_change_frozen_4bit_bytes(tiny):
     assert compat.restore_bnb_4bit_storage_layout(model) == 0
 
 
+def test_undoing_the_4bit_re_layout_never_asks_peft_wrappers_for_their_merged_weight(tiny):
+    """PEFT's trainable-token wrapper answers `.weight` by merging its rows into the base weight; under FSDP1 that
+    weight is a flat shard and the merge raised IndexError at the end of a QLoRA run with --train_new_tokens
+    (bench/use_orig_params.py). The base weight stood for by a shard of it here, as FSDP1 leaves it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from sft_recipe import compat
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tiny.model_dir)), LoraConfig(
+        r=4, target_modules=["q_proj"], trainable_token_indices={"embed_tokens": [3, 4, 5]}))
+    embedding = model.get_input_embeddings()
+    embedding.token_adapter.base_layer.weight.data = embedding.token_adapter.base_layer.weight.data.flatten()[:1536]
+    with pytest.raises(IndexError):
+        getattr(embedding, "weight")  # noqa: B009 -- what `getattr(module, "weight")` did
+    assert compat.restore_bnb_4bit_storage_layout(model) == 0 and torch.is_tensor(embedding.token_adapter.base_layer
+                                                                                 .weight)
+
+
 def test_the_checksum_sees_a_changed_value_and_a_permutation():
     """measure._checksum: any changed word, and values moved to other positions (a plain word sum is blind to that:
     two ranks whose packing order differs would have compared equal)."""
