@@ -82,6 +82,16 @@ def _model_problems(m: ModelArguments, t, launch: LaunchEnv) -> list[str]:
     return problems
 
 
+def _half_base(m: ModelArguments) -> str | None:
+    """'bfloat16' or 'float16' where the base loads in half precision (config/dtypes.py), else None."""
+    import torch
+
+    from sft_recipe.config.dtypes import model_dtype
+
+    dtype = model_dtype(m)
+    return str(dtype).removeprefix("torch.") if dtype in (torch.bfloat16, torch.float16) else None
+
+
 def _adapter_variant_problems(m: ModelArguments, t, launch: LaunchEnv) -> list[str]:
     """DoRA, modules_to_save, trainable new tokens, 8-bit optimizers: where each works on this stack."""
     problems = []
@@ -106,8 +116,19 @@ def _adapter_variant_problems(m: ModelArguments, t, launch: LaunchEnv) -> list[s
                         "rows in a parameter of their own beside the frozen embedding, and FSDP1 then flattens a "
                         "unit's parameters into one tensor of one requires_grad (\"Must flatten tensors with uniform "
                         "`requires_grad`\"). Fix: fsdp_use_orig_params: true in the accelerate config (or `accelerate "
-                        "launch --fsdp_use_orig_params true ...`), with which FSDP1 keeps each parameter's own; or "
-                        "FSDP2 (configs/fsdp2_config.yaml); or one process.")
+                        "launch --fsdp_use_orig_params true ...`), with which FSDP1 keeps each parameter's own (its "
+                        "cost: a gradient of the whole embedding and head through the backward, ~1 GiB per GPU for "
+                        "Llama-2-70B; the memory plan shows it, docs/memory-and-speed.md); or FSDP2 "
+                        "(configs/fsdp2_config.yaml), which trains the rows without it; or one process.")
+    if m.train_new_tokens and fsdp_version == 1 and launch.fsdp_use_orig_params and not (
+            m.use_4bit_quantization or m.use_8bit_quantization) and _half_base(m):
+        problems.append(f"--train_new_tokens True under FSDP1 with a {_half_base(m)} "
+                        "base: the recipe trains the new rows in float32 beside it, FSDP1 cannot flatten two dtypes "
+                        "into one unit and gives the rows a unit of their own, and PEFT then reads them outside that "
+                        "unit's forward (IndexError in index_copy at the first step: measured, bench/"
+                        "use_orig_params.py). Fix: FSDP2 (configs/fsdp2_config.yaml), which trains them; or "
+                        "--torch_dtype float32 (the rows then share the embedding's unit). QLoRA keeps them in the "
+                        "4-bit storage dtype and trains them under FSDP1.")
     if m.modules_to_save and fsdp_version == 1:
         problems.append("--lora_modules_to_save under FSDP1: TRL's fused LM head reads lm_head's weight outside "
                         "the FSDP1 unit that owns it, and saving an embed_tokens copy hangs the final gather. Fix: "
@@ -146,9 +167,6 @@ def _fsdp_env_problems(m: ModelArguments, launch: LaunchEnv) -> list[str]:
         problems.append(f"num_processes per machine is {launch.local_world_size} but only {torch_cuda_count()} GPUs "
                         "are visible. Fix: --num_processes (or num_processes: in the accelerate config) at most the "
                         "number of GPUs, or check CUDA_VISIBLE_DEVICES.")
-    if m.use_4bit_quantization and launch.fsdp_use_orig_params and version == 1:
-        logger.warning("fsdp_use_orig_params: true with QLoRA keeps gradient buffers for the frozen 4-bit weights "
-                       "too: much more GPU memory than the guide's false (use configs/fsdp_config_qlora.yaml).")
     return problems
 
 
