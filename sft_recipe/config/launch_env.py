@@ -104,6 +104,8 @@ class LaunchEnv:
                 "fsdp_reshard_after_forward": self.fsdp_reshard_after_forward,
                 "fsdp_offload_params": self.fsdp_offload_params,
                 "fsdp_cpu_ram_efficient_loading": self.fsdp_cpu_ram_efficient_loading,
+                "fsdp_use_orig_params": self.fsdp_use_orig_params,
+                "fsdp_auto_wrap_policy": self.fsdp_auto_wrap_policy or "TRANSFORMER_BASED_WRAP",
             }
         if self.use_deepspeed:
             cfg["deepspeed_config"] = {

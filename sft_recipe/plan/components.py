@@ -94,6 +94,32 @@ def fully_trained_bytes(shape: ModelShape, w: Workload) -> tuple[float, str]:
     return params * each * 2 + opt, f"{what}: {params:,} x {each} B, gradients, {w.optimizer} state"
 
 
+# The peak a mixed root unit adds, per root parameter (bench/use_orig_params.py, 2 CPU ranks, a 512 x 4 Llama whose
+# root holds 8.76M parameters, 33.4 MiB in fp32): +35 MiB per rank with an fp32 root (LoRA) and +34 MiB with a bf16
+# one (QLoRA, bf16 storage and mixed precision), where a bf16 gradient alone would be 16.7: 4 bytes either way.
+MIXED_UNIT_GRADIENT_BYTES = 4
+
+
+def mixed_unit_gradient_bytes(shape: ModelShape, w: Workload, d) -> tuple[float, float, str]:
+    """(unsharded, sharded) bytes of the gradient FSDP1 gives a unit whose flat parameter mixes trained and frozen
+    weights, and what they are. Only `fsdp_use_orig_params: true` allows such a unit (false refuses to flatten it),
+    and the flat parameter then gets a gradient as large as itself, zeros where frozen (torch's FSDP1 note on
+    use_orig_params). PEFT's wrap policy gives LoRA layers units of their own, so decoder units stay wholly frozen;
+    the root unit (embeddings, final norm, head) mixes when --train_new_tokens trains rows of its embedding and
+    head. The unsharded gradient (compute dtype) lives from the head's backward, the first, to the root's
+    reduce-scatter after the embedding's, the last: through the activations' peak. The sharded one (load dtype, /G)
+    is made at that reduce-scatter, when the activations are gone, and kept to the optimizer step: it adds to the
+    peak only where it is kept elsewhere (the host, under offload). Bytes per root parameter at the peak:
+    MIXED_UNIT_GRADIENT_BYTES, measured."""
+    if not (d.kind == "fsdp" and d.fsdp_version == 1 and d.use_orig_params and w.lora and w.train_new_tokens
+            and w.extra_vocab):
+        return 0.0, 0.0, ""
+    root = shape.root_params
+    return (root * MIXED_UNIT_GRADIENT_BYTES, root * w.load_bytes / d.shard_group,
+            f"root unit ({root:,} embedding, norm and head params) x {MIXED_UNIT_GRADIENT_BYTES} B, unsharded "
+            "through the backward (measured)")
+
+
 def adapter_bytes(shape: ModelShape, w: Workload) -> tuple[float, str]:
     """What the saved adapter holds, which is all the final save gathers (sft_recipe/artifacts/gather.py): the trainable
     tensors, plus the whole input embedding and output head when the vocabulary was resized (PEFT saves both)."""

@@ -9,6 +9,7 @@ from sft_recipe.plan.components import (
     base_weight_bytes,
     count_trainable,
     fully_trained_bytes,
+    mixed_unit_gradient_bytes,
     optimizer_bytes,
 )
 from sft_recipe.plan.inputs import Distribution, Workload
@@ -92,6 +93,7 @@ def estimate_cpu(shape: ModelShape, w: Workload, d: Distribution, rank: int) -> 
         units = CPU_FSDP_STEP_UNITS[w.gradient_checkpointing]
         step_fixed_mib = CPU_FSDP_STEP_FIXED_MIB[w.gradient_checkpointing]
         fsdp_step = step_fixed_mib * MIB + units * unit if G > 1 else 0.0
+        mixed = mixed_unit_gradient_bytes(shape, w, d)[0]
         rows += [
             Row("checkpoint pages + loaded copies", file_pages + loaded_copy,
                 "mmapped safetensors (+ 4-bit weights), load+wrap phase only"),
@@ -100,8 +102,10 @@ def estimate_cpu(shape: ModelShape, w: Workload, d: Distribution, rank: int) -> 
             Row("activations (heap after a step)", heap, f"{heap_factor:g} x L*T*c, T={w.tokens}, c={c:,.0f}"),
             Row("FSDP step buffers", fsdp_step, f"{step_fixed_mib:g} MiB + {units:g} x one unsharded layer"),
         ]
+        if mixed:
+            rows.append(Row("FSDP1 gradient of a mixed unit", mixed, mixed_unit_gradient_bytes(shape, w, d)[2]))
         wrap = fixed + file_pages + loaded_copy + shard + unit
-        step = fixed + shard + train_state / G + heap + fsdp_step
+        step = fixed + shard + train_state / G + heap + fsdp_step + mixed
         phases = {"load+wrap": wrap, "train step": step}
         if rank == 0:
             phases["final save"] = step + 2 * adapter_bytes(shape, w)[0]

@@ -9,6 +9,7 @@ from sft_recipe.plan.components import (
     count_trainable,
     fully_trained_bytes,
     gather_bytes,
+    mixed_unit_gradient_bytes,
     offloaded_activation_bytes,
     optimizer_bytes,
 )
@@ -76,6 +77,9 @@ def estimate_gpu(shape: ModelShape, w: Workload, d: Distribution,
     full, fformula = fully_trained_bytes(shape, w)
     if full:
         rows.append(Row("trained in full", on_gpu * full / sharded, fformula + (f" / {G}" if sharded > 1 else "")))
+    unsharded_grad, _, mformula = mixed_unit_gradient_bytes(shape, w, d)
+    if unsharded_grad:
+        rows.append(Row("FSDP1 gradient of a mixed unit", unsharded_grad, mformula))
     rows += activation_rows(shape, w, "cuda")
     gather, gformula = gather_bytes(shape, w, d)
     if d.offload and d.kind == "fsdp":  # the shard is copied host->device before its all-gather
@@ -220,6 +224,11 @@ def host_ram_rows(shape: ModelShape, w: Workload, d: Distribution, knobs: dict) 
     if d.offload:
         offloaded = (shardable + (2 * trainable * tbytes + opt)) * n / G
         host.append(Row("offloaded shards", offloaded, "(weights + trainable + grads + optimizer) x n/G", "host"))
+        mixed = mixed_unit_gradient_bytes(shape, w, d)[1] * n  # the sharded gradient of a mixed unit, per rank
+        if mixed:
+            offloaded += mixed
+            host.append(Row("offloaded gradient of a mixed unit", mixed, "FSDP1 use_orig_params: root unit x n/G",
+                            "host"))
     activations, acformula = offloaded_activation_bytes(shape, w)
     activations *= n
     if activations:

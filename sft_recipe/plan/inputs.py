@@ -29,6 +29,7 @@ class Distribution:
     zero3_init: bool = False  # DeepSpeed zero3_init_flag
     wrap_policy: str = "TRANSFORMER_BASED_WRAP"  # fsdp_auto_wrap_policy: a unit per decoder layer, by size, or none
     min_num_params: int = 100_000_000  # fsdp_min_num_params of SIZE_BASED_WRAP (accelerate's launcher default)
+    use_orig_params: bool = False  # FSDP1's fsdp_use_orig_params (accelerate's default false; FSDP2 has no flat params)
 
     def loads_quantized_base_once(self, quant: str | None) -> bool:
         """FSDP1 with cpu_ram_efficient_loading on several ranks: rank 0 alone loads a 4-bit base, the others receive
@@ -175,6 +176,7 @@ def distribution(cfg: dict, num_processes: int | None = None, training_args=None
         mixed_precision=mp,
         wrap_policy=str(fc.get("fsdp_auto_wrap_policy") or "TRANSFORMER_BASED_WRAP").upper(),
         min_num_params=int(fc.get("fsdp_min_num_params") or 100_000_000),
+        use_orig_params=version == 1 and str(fc.get("fsdp_use_orig_params", False)).lower() in ("true", "1"),
     )
 
 

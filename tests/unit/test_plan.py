@@ -370,6 +370,37 @@ def test_modules_trained_in_full_and_the_new_token_rows_are_planned(lora_args):
     assert full.peak_gib - base.peak_gib == pytest.approx(8_389_394_432 / 8 / GIB)  # the train step is the peak
 
 
+def test_fsdp1_use_orig_params_costs_the_root_units_gradient_only_when_new_rows_train_there(lora_args):
+    """Issue 52 item 2: under FSDP1, `fsdp_use_orig_params: true` lets the new-token rows train beside the frozen
+    embedding, and the root unit's flat parameter (embeddings, norm, head) then gets a gradient as large as itself
+    (bench/use_orig_params.py measures it). Expected from the model's own sizes: 2 x (32,000 + 3) x 8,192 + 8,192
+    root parameters (chatml adds <|im_start|> and <|im_end|>, and a <pad>: 3 rows), x 4 bytes through the backward
+    on each GPU (measured on CPU with an fp32 and a bf16 root alike; the sharded gradient comes after the activations
+    are gone). Without new rows, or with
+    use_orig_params false, nothing: PEFT's policy keeps LoRA layers in units of their own. The launcher's
+    environment carries the setting to the plan train.py makes."""
+    from sft_recipe.config.launch_env import read_launch_env
+
+    model_args, data_args, recipe_args, training_args = lora_args
+    new_rows = (replace(model_args, train_new_tokens=True), data_args, recipe_args, training_args)
+    root = 2 * (32000 + 3) * 8192 + 8192
+
+    def fsdp(args, orig):
+        config = _fsdp(8)
+        config["fsdp_config"]["fsdp_use_orig_params"] = orig
+        return _plan(args, config, ladder=False)
+
+    assert fsdp(lora_args, True).peak_bytes == fsdp(lora_args, False).peak_bytes
+    assert fsdp(new_rows, False).peak_bytes < fsdp(new_rows, True).peak_bytes
+    added = fsdp(new_rows, True).peak_bytes - fsdp(new_rows, False).peak_bytes
+    assert added == pytest.approx(root * 4)
+    fsdp2 = _fsdp(8)
+    fsdp2["fsdp_config"].update(fsdp_version=2, fsdp_use_orig_params=True)  # FSDP2 has no flat parameters
+    assert _plan(new_rows, fsdp2, ladder=False).peak_bytes < fsdp(new_rows, True).peak_bytes
+    exported = read_launch_env({"WORLD_SIZE": "8", "ACCELERATE_USE_FSDP": "true", "FSDP_USE_ORIG_PARAMS": "true"})
+    assert exported.accelerate_config()["fsdp_config"]["fsdp_use_orig_params"] is True
+
+
 def test_the_accelerate_yaml_edits_that_change_memory_move_the_plan(lora_args):
     """Issue 51: NO_SHARD, SHARD_GRAD_OP / FSDP2's reshard_after_forward false, offload and the wrap policy each show
     in the plan. Expectations from the model's size, not the plan's own formulas: NO_SHARD holds every weight
