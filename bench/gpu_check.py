@@ -17,6 +17,8 @@ or timeout is a row in the table, and the next step runs. Steps:
     qlora-quantizer         qlora with transformers' own placement of the 4-bit base (no device_map: upstream's path;
                             bench/train_with_quantizer_placement.py): its "GPU at load" column is the whole base
     qlora-1gpu              bash run_peft.sh: one process, no launcher, uint8 storage (upstream's single-GPU default)
+    qlora-fsdp1-newrows     the guide's FSDP1 QLoRA config on 1 GPU with fsdp_use_orig_params true and the chatml rows
+                            trained (--train_new_tokens): the root unit's gradient the plan adds (~4 B per root param)
     qlora-fsdp1-every/-once the guide's FSDP1 QLoRA config on 2 GPUs, every rank loading its own 4-bit copy vs rank 0
                             alone (cpu_ram_efficient_loading): load s and host RAM per rank side by side (2 GPUs only)
     gptq                    run_peft_fsdp_gptq.sh (FSDP1) on the tiny model quantized with GPTQ on this machine, if
@@ -169,6 +171,20 @@ def steps(model: Path, data: Path) -> list[dict]:
     single += ["--push_to_hub", "False"] + qlora_flags("uint8")
     result.append(dict(name="qlora-1gpu", cmd=["bash", "run_peft.sh", *single], plan=single, out=out / "qlora-1gpu",
                        env={"PYTHON": sys.executable}))
+    # New-token rows under FSDP1 as its refusal's fix configures them (use_orig_params true), on the guide's QLoRA
+    # config: on CPU the root unit's whole gradient cost 4 B per root parameter (bench/use_orig_params.py), and a
+    # QLoRA run died at its end until compat.restore_bnb_4bit_storage_layout stopped asking PEFT for merged weights.
+    fsdp1 = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
+             "configs/fsdp_config_qlora.yaml", "--num_processes", "1", "--fsdp_use_orig_params", "true",
+             "--fsdp_offload_params", "false"]
+    flags = common_flags(model, data, out / "qlora-fsdp1-newrows") + qlora_flags(storage) + [
+        "--chat_template_format", "chatml", "--train_new_tokens", "True", "--use_reentrant", "True"]
+    result.append(dict(name="qlora-fsdp1-newrows", cmd=fsdp1 + ["train.py", *flags],
+                       plan=["--config_file", "configs/fsdp_config_qlora.yaml", "--num_processes", "1",
+                             "--fsdp_use_orig_params", "true", "--fsdp_offload_params", "false", *flags],
+                       out=out / "qlora-fsdp1-newrows"))
+    if SMOKE:  # the CPU path: bench/use_orig_params.py and tests/unit/test_record.py
+        result[-1] = dict(name="qlora-fsdp1-newrows", skip="smoke: bench/use_orig_params.py runs the CPU path")
     result += fsdp1_load_steps(model, data, out, storage)
     result.append(gptq_step(model, out))
     upstream = Path(os.environ.get("UPSTREAM_SFT_DIR", REPO / "bench" / "upstream"))

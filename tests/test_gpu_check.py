@@ -20,10 +20,11 @@ def test_gpu_check_smoke_prints_one_row_per_step(tmp_path):
     assert result.returncode == 0, result.output[-5000:]
     rows = {r["step"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())}
     assert list(rows) == ["lora", "lora+offload", "qlora", "qlora+offload", "lora-fp32base", "lora+actoffload",
-                          "lora-diverge", "qlora-quantizer", "qlora-cpuquant", "qlora-1gpu", "qlora-fsdp1-every",
-                          "qlora-fsdp1-once", "gptq", "upstream"]
+                          "lora-diverge", "qlora-quantizer", "qlora-cpuquant", "qlora-1gpu", "qlora-fsdp1-newrows",
+                          "qlora-fsdp1-every", "qlora-fsdp1-once", "gptq", "upstream"]
     assert rows["lora-fp32base"]["status"] == rows["lora+actoffload"]["status"] == "skipped"  # GPU-only contrasts
     assert rows["lora-diverge"]["status"] == "skipped"  # its CPU path is tests/e2e/test_divergence_and_ctrl_c.py
+    assert rows["qlora-fsdp1-newrows"]["status"] == "skipped"  # its CPU path is bench/use_orig_params.py
     assert rows["qlora-cpuquant"]["status"] == "skipped"  # a CPU run quantizes on the CPU in the qlora row already
     for name in ("lora", "qlora", "qlora-quantizer", "qlora-1gpu"):
         row = rows[name]

@@ -45,6 +45,8 @@ def build_cli() -> argparse.ArgumentParser:
     p.add_argument("--num_processes", type=int, default=None, help="override the YAML's num_processes")
     p.add_argument("--fsdp_offload_params", default=None, choices=["true", "false"],
                    help="override the YAML's fsdp_offload_params (as the launcher flag of that name does)")
+    p.add_argument("--fsdp_use_orig_params", default=None, choices=["true", "false"],
+                   help="override the YAML's fsdp_use_orig_params (FSDP1; as the launcher flag of that name does)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--cuda_context_gib", type=float, default=DEFAULT_CUDA_CONTEXT_GIB)
     p.add_argument("--allocator_reserve", type=float, default=DEFAULT_ALLOCATOR_RESERVE)
@@ -129,9 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         if ours.fewest_gpus or ours.longest_seq_len:
             return renting(ours, train_argv)
         config = read_accelerate_config(ours.config_file)
-        if ours.fsdp_offload_params is not None:
-            config = {**config, "fsdp_config": {**(config.get("fsdp_config") or {}),
-                                                "fsdp_offload_params": ours.fsdp_offload_params == "true"}}
+        for key in ("fsdp_offload_params", "fsdp_use_orig_params"):  # the launcher flags of those names
+            if getattr(ours, key) is not None:
+                config = {**config, "fsdp_config": {**(config.get("fsdp_config") or {}), key: getattr(ours, key) ==
+                                                    "true"}}
         model_args, data_args, _, training_args = parse_train_flags(train_argv, ours.device)
         plan = plan_memory(model_args, data_args, training_args, config, ours.num_processes,
                            ours.gpu_memory_gib, ours.device, cuda_context_gib=ours.cuda_context_gib,

@@ -96,7 +96,9 @@ def fully_trained_bytes(shape: ModelShape, w: Workload) -> tuple[float, str]:
 
 # The peak a mixed root unit adds, per root parameter (bench/use_orig_params.py, 2 CPU ranks, a 512 x 4 Llama whose
 # root holds 8.76M parameters, 33.4 MiB in fp32): +35 MiB per rank with an fp32 root (LoRA) and +34 MiB with a bf16
-# one (QLoRA, bf16 storage and mixed precision), where a bf16 gradient alone would be 16.7: 4 bytes either way.
+# one (QLoRA, bf16 storage and mixed precision), where a bf16 gradient alone would be 16.7: 4 bytes either way. Of
+# that, +17 MiB is what the rows cost on any engine (FSDP2 + new rows, same bench: PEFT's merged weights), not yet
+# planned elsewhere; docs/memory-and-speed.md.
 MIXED_UNIT_GRADIENT_BYTES = 4
 
 

@@ -293,6 +293,18 @@ def test_cli_json_and_fitting_run(capsys):
     assert data["fits"] and data["per_rank_gib"] and len(data["per_rank_gib"]) == 8 and not data["ladder"]
 
 
+def test_cli_takes_the_launchers_use_orig_params_flag(capsys):
+    """`--fsdp_use_orig_params true` over the guide's QLoRA YAML (which says false), as `accelerate launch` takes it:
+    with new-token rows, the root unit's gradient row appears; without the flag the run is the guide's."""
+    def rows(*extra):
+        assert main(["--config_file", "configs/fsdp_config_qlora.yaml", "--gpu_memory_gib", "24", "--json",
+                     "--config", "recipes/llama2_70b_qlora.yaml", "--train_new_tokens", "True", *extra]) == 0
+        return {row["name"] for row in json.loads(capsys.readouterr().out)["rows"]}
+
+    assert "FSDP1 gradient of a mixed unit" in rows("--fsdp_use_orig_params", "true")
+    assert "FSDP1 gradient of a mixed unit" not in rows()
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--gpu_memory_gib", "-5"], "--gpu_memory_gib -5.0: must be a positive number"),
     (["--gpu_memory_gib", "80", "--lora_alpah", "16"], "unknown flag `--lora_alpah`. Did you mean `lora_alpha`?"),
