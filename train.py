@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import signal
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -60,6 +62,7 @@ if __name__ == "__main__":  # what the imports created is never walked again; co
     freeze_imports()
 
 logger = logging.getLogger("train")
+REFUSAL_GRACE_S = 10.0  # how long a rank that refused waits for the main process to say it (train.say_refusal)
 
 
 def main(argv: list[str] | None, launch: LaunchEnv) -> None:
@@ -209,8 +212,7 @@ def run(launch: LaunchEnv) -> int:
     try:
         main(None, launch)
     except ConfigError as e:
-        if launch.is_main_process:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        say_refusal(e, launch)
         return 2
     except Preempted as e:  # a checkpoint was written: 75 (SIGTERM/SIGUSR1), 130 (Ctrl-C)
         if launch.is_main_process:
@@ -252,6 +254,18 @@ def run(launch: LaunchEnv) -> int:
         release_run_hold()  # however train.py ends (a crash leaves the hold to be found stale)
         close_process_group()
     return 0
+
+
+def say_refusal(e: ConfigError, launch: LaunchEnv, grace_s: float = REFUSAL_GRACE_S) -> None:
+    """The main process lists a refusal. Every rank runs the same checks, so the others refused too: they wait for it,
+    since torchrun SIGTERMs every rank as soon as one exits non-zero, and one that left first would cut the main process
+    off before its message (seen on a loaded 2-core CI machine). A rank still alive after the grace refused alone (a
+    problem only it sees, the main process waiting in a collective): it says its own. Either way it exits 2, as the
+    main process does: torchrun's SIGTERM only ends the wait."""
+    if not launch.is_main_process:
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(2))  # nothing to save or release: the run never began
+        time.sleep(grace_s)
+    print(f"error{'' if launch.is_main_process else f' (rank {launch.rank})'}: {e}", file=sys.stderr, flush=True)
 
 
 def wait_for_every_rank() -> None:

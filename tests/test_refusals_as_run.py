@@ -4,11 +4,13 @@ these live here, outside the in-process fast lane (`make test-fast`), beside the
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import time
 
 from sft_recipe.compat import TRAINER_OVERRIDES, WORKAROUNDS
-from tests.helpers import REPO, launch_env
+from tests.helpers import REPO, launch_env, launch_script
 
 
 def test_train_py_exits_2_with_the_list_and_no_traceback(tmp_path):
@@ -123,3 +125,36 @@ def test_a_bad_row_found_by_the_preparing_rank_stops_every_rank_with_exit_2(tiny
     assert sorted(exit_codes) == [("0", "2"), ("1", "2")], result.output[-3000:]
     ours = result.output.split("torch/distributed/elastic")[0]  # before the launcher's own report of the exits
     assert "error: 2 configuration problem(s)" in ours and "Traceback" not in ours
+
+
+def _launch_out_of_step(mode: str, tiny, tmp_path, extra: list[str]):
+    out = tmp_path / "o"
+    start = time.monotonic()
+    result = launch_script("cpu/fsdp2_config.yaml", "tests/e2e/refusal_worker.py",
+                           ["--output_dir", str(out), "--model_name_or_path", str(tiny.model_dir), "--max_steps", "2",
+                            "--report_to", "none", *extra], out, {**launch_env(), "REFUSAL_WORKER": mode})
+    return result, time.monotonic() - start
+
+
+def test_the_main_process_says_a_refusal_even_when_the_other_ranks_reach_it_first(tiny, tmp_path):
+    """Seen on CI: rank 1 refused first, exited, and torchrun SIGTERMed the main process before its message. The main
+    process here reaches the checks 3 s late (tests/e2e/refusal_worker.py)."""
+    result, _ = _launch_out_of_step("main-slow", tiny, tmp_path, ["--dataset_name", str(tmp_path / "no-data")])
+    assert result.returncode != 0
+    assert result.output.count(f"--dataset_name {tmp_path / 'no-data'}") == 1, result.output[-3000:]
+    assert "error (rank 1)" not in result.output  # rank 1 waited and was ended by torchrun, said nothing
+    exit_codes = re.findall(r"rank\s+: (\d) \(local_rank: \d\)\s+exitcode\s+: (-?\d+)", result.output)
+    assert sorted(exit_codes) == [("0", "2"), ("1", "2")], result.output[-3000:]  # rank 1 too, though SIGTERMed
+    assert not re.search(r'File ".*(train\.py|sft_recipe/)', result.output), result.output[-3000:]  # no frame of ours
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_refusal_only_one_rank_sees_is_said_by_that_rank(tiny, tmp_path):
+    """The main process passed its checks and waits for rank 1 in a collective: rank 1's refusal is said by rank 1
+    after the grace, once, and the launch ends (not hangs)."""
+    result, seconds = _launch_out_of_step("rank-1-alone", tiny, tmp_path, ["--dataset_name", str(tiny.jsonl_dir)])
+    assert result.returncode != 0
+    line = "error (rank 1): 1 configuration problem(s)"
+    assert result.output.count(line) == 1 and "a problem only rank 1 sees" in result.output, result.output[-3000:]
+    assert seconds < 120
+    assert not (tmp_path / "o" / "adapter_model.safetensors").exists()
