@@ -264,7 +264,10 @@ def say_refusal(e: ConfigError, launch: LaunchEnv, grace_s: float = REFUSAL_GRAC
     main process does: torchrun's SIGTERM only ends the wait."""
     if not launch.is_main_process:
         signal.signal(signal.SIGTERM, lambda *_: os._exit(2))  # nothing to save or release: the run never began
-        time.sleep(grace_s)
+        try:
+            time.sleep(grace_s)
+        except KeyboardInterrupt:  # Ctrl-C reaches every rank: it ends the wait as SIGTERM does, with no traceback
+            pass
     print(f"error{'' if launch.is_main_process else f' (rank {launch.rank})'}: {e}", file=sys.stderr, flush=True)
 
 

@@ -158,3 +158,24 @@ def test_a_refusal_only_one_rank_sees_is_said_by_that_rank(tiny, tmp_path):
     assert result.output.count(line) == 1 and "a problem only rank 1 sees" in result.output, result.output[-3000:]
     assert seconds < 120
     assert not (tmp_path / "o" / "adapter_model.safetensors").exists()
+
+
+def test_ctrl_c_while_a_rank_waits_to_refuse_ends_the_wait_without_a_traceback():
+    """say_refusal's wait runs inside train.run's `except ConfigError`, where a KeyboardInterrupt would escape every
+    other clause as a traceback. Rank 1 of two, a 60 s grace, SIGINT after 1 s."""
+    code = (
+        "import os, signal, sys, threading, time\n"
+        "sys.argv = ['train.py']\n"
+        "import train\n"
+        "from sft_recipe.config.launch_env import LaunchEnv\n"
+        "from sft_recipe.errors import ConfigError\n"
+        "threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+        "start = time.monotonic()\n"
+        "train.say_refusal(ConfigError(['--x: the problem']), LaunchEnv(rank=1, world_size=2), grace_s=60)\n"
+        "print(f'waited {time.monotonic() - start:.1f} s', file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=launch_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "error (rank 1): 1 configuration problem(s)" in proc.stderr and "--x: the problem" in proc.stderr
+    waited = float(proc.stderr.split("waited ")[1].split(" s")[0])
+    assert waited < 30, proc.stderr[-2000:]
