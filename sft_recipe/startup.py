@@ -2,9 +2,9 @@
 
 `prepare_imports(argv)`: the libraries import without Python's cyclic garbage collector (below); bitsandbytes, wandb
 and DeepSpeed stay out of a run that cannot use them (sft_recipe/compat/unused_imports.py), bitsandbytes' import-time
-compiles wait for a first call that never comes (compat/deferred_compile.py), a DeepSpeed run does not compile
-DeepSpeed's CPU inference op (compat/deepspeed_cpu.py), and transformers and its model classes import without
-reading every model file (compat/models_import_structure.py).
+compiles and those of DeepSpeed's Muon module wait for a first call that never comes (compat/deferred_compile.py),
+a DeepSpeed run does not compile DeepSpeed's CPU inference op (compat/deepspeed_cpu.py), and transformers and its
+model classes import without reading every model file (compat/models_import_structure.py).
 
 The collector:
 
@@ -35,7 +35,10 @@ def prepare_imports(argv: list[str]) -> None:
     pause_collector()
     # These import sft_recipe.compat, hence torch and accelerate: neither imports bitsandbytes, wandb or DeepSpeed.
     from sft_recipe.compat.deepspeed_cpu import skip_cpu_inference_op_build
-    from sft_recipe.compat.deferred_compile import import_bitsandbytes_compiling_on_first_use
+    from sft_recipe.compat.deferred_compile import (
+        import_bitsandbytes_compiling_on_first_use,
+        import_muon_compiling_on_first_use,
+    )
     from sft_recipe.compat.models_import_structure import cache_models_import_structure
     from sft_recipe.compat.unused_imports import skip_unused_bitsandbytes, skip_unused_deepspeed, skip_unused_wandb
     from sft_recipe.config.command_line import bitsandbytes_needed, deepspeed_needed, wandb_needed
@@ -51,6 +54,7 @@ def prepare_imports(argv: list[str]) -> None:
         skip_unused_deepspeed()
     else:  # before accelerate starts it: no C++ build of an op training never calls (21 s on a fresh CPU machine)
         skip_cpu_inference_op_build()
+        import_muon_compiling_on_first_use()  # before ZeRO's optimizer check imports it: no inductor (0.9 CPU-s)
     # before transformers: its import and transformers.models' each read 1,700 model files (0.24 CPU-s a scan)
     cache_models_import_structure(recipe_cache_dir())
 

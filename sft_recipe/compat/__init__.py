@@ -30,7 +30,10 @@ from sft_recipe.compat.accelerate_fsdp import (
 )
 from sft_recipe.compat.cpu_module_sync import allow_fsdp1_module_sync_on_cpu, fsdp1_module_sync_allowed_on_cpu
 from sft_recipe.compat.deepspeed_cpu import skip_cpu_inference_op_build
-from sft_recipe.compat.deferred_compile import import_bitsandbytes_compiling_on_first_use
+from sft_recipe.compat.deferred_compile import (
+    import_bitsandbytes_compiling_on_first_use,
+    import_muon_compiling_on_first_use,
+)
 from sft_recipe.compat.fsdp1_dtype_units import wrap_other_dtypes_apart
 from sft_recipe.compat.fsdp2_adapters import (
     adapter_parameters,
@@ -130,17 +133,20 @@ WORKAROUNDS: tuple[Workaround, ...] = (
                "tests/unit/test_compat.py::test_importing_trls_trainer_still_imports_wandb fails (TRL no longer "
                "imports wandb at import: nothing left to save by not importing it)"),
     Workaround("skip_unused_deepspeed", "accelerate", ">=1.0", "1.15.0",
-               "tests/unit/test_compat.py::test_accelerates_unwrapping_still_imports_deepspeed fails (accelerate no "
-               "longer imports DeepSpeed to unwrap a model: nothing left to save by not importing it)"),
+               "tests/test_compat_fresh_process.py::test_accelerates_unwrapping_still_imports_deepspeed fails "
+               "(accelerate no longer imports DeepSpeed to unwrap a model: nothing left to save by not importing it)"),
     Workaround("import_bitsandbytes_compiling_on_first_use", "bitsandbytes", ">=0.50", "0.50.2",
-               "tests/unit/test_compat.py::test_importing_bitsandbytes_still_imports_inductor fails (bitsandbytes "
-               "no longer compiles its kernels at import: nothing left to defer)"),
+               "tests/test_compat_fresh_process.py::test_importing_bitsandbytes_still_imports_inductor fails "
+               "(bitsandbytes no longer compiles its kernels at import: nothing left to defer)"),
     Workaround("skip_unused_bitsandbytes", "bitsandbytes", ">=0.50", "0.50.2",
-               "tests/unit/test_compat.py::test_importing_bitsandbytes_still_imports_inductor fails (bitsandbytes "
-               "no longer compiles its kernels at import: nothing left to save by not importing it)"),
+               "tests/test_compat_fresh_process.py::test_importing_bitsandbytes_still_imports_inductor fails "
+               "(bitsandbytes no longer compiles its kernels at import: nothing left to save by not importing it)"),
     Workaround("skip_cpu_inference_op_build", "deepspeed", ">=0.19", "0.19.8",
                "tests/unit/test_compat.py::test_deepspeed_still_builds_its_cpu_inference_op_at_init fails "
                "(DeepSpeed's TorchBackend no longer builds its CPU inference op while it starts)"),
+    Workaround("import_muon_compiling_on_first_use", "deepspeed", ">=0.19", "0.19.8",
+               "tests/test_compat_fresh_process.py::test_deepspeeds_zero_optimizer_check_still_imports_inductor fails "
+               "(DeepSpeed's ZeRO optimizer check no longer imports a module that compiles at import)"),
     Workaround("cache_models_import_structure", "transformers", ">=5.0", "5.24.0",
                "tests/unit/test_compat.py::test_transformers_still_scans_every_model_file_to_import_its_models fails "
                "(transformers.models no longer reads every model file when it is imported)"),
@@ -266,6 +272,6 @@ __all__ = [
     "quantize_each_weight_on", "quantized_base_device_map", "save_embedding_layers_for", "without_rank_barriers",
     "restore_bnb_4bit_storage_layout", "strip_wrapper_segments", "trainable_tokens_lm_head_bias",
     "trainer_override_drift", "import_bitsandbytes_compiling_on_first_use", "skip_unused_bitsandbytes",
-    "skip_unused_deepspeed", "skip_unused_wandb", "skip_cpu_inference_op_build",
+    "skip_unused_deepspeed", "skip_unused_wandb", "skip_cpu_inference_op_build", "import_muon_compiling_on_first_use",
     "cache_models_import_structure", "collect_token_rows_off_cuda", "skipped_imports",
 ]

@@ -22,10 +22,11 @@ What this does: before the libraries load, where `config.command_line` finds tha
 `sys.modules[name] = None` makes every `import name` fail as if it were not installed, and
 `importlib.util.find_spec` (how transformers, PEFT and TRL decide availability) answers None.
 
-When it can go: `tests/unit/test_compat.py::test_importing_bitsandbytes_still_imports_inductor` fails (bitsandbytes
-stops compiling at import); `tests/unit/test_compat.py::test_importing_trls_trainer_still_imports_wandb` fails (TRL
-stops importing wandb at import); `tests/unit/test_compat.py::test_accelerates_unwrapping_still_imports_deepspeed`
-fails (accelerate stops importing DeepSpeed to unwrap a model that is not DeepSpeed's).
+When it can go: `tests/test_compat_fresh_process.py::test_importing_bitsandbytes_still_imports_inductor` fails
+(bitsandbytes stops compiling at import); `tests/unit/test_compat.py::test_importing_trls_trainer_still_imports_wandb`
+fails (TRL stops importing wandb at import);
+`tests/test_compat_fresh_process.py::test_accelerates_unwrapping_still_imports_deepspeed` fails (accelerate stops
+importing DeepSpeed to unwrap a model that is not DeepSpeed's).
 """
 
 from __future__ import annotations

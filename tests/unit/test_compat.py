@@ -6,8 +6,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -64,8 +62,6 @@ def test_a_changed_signature_is_reported(monkeypatch):
     monkeypatch.setattr(Trainer, "_save_rng_state", lambda self, output_dir, extra: None)
     assert compat.trainer_override_drift() == [
         "_save_rng_state('self', 'output_dir', 'extra'): written for ('self', 'output_dir')"]
-
-
 
 
 def _base(folder: Path, config: dict) -> str:
@@ -158,28 +154,6 @@ def test_only_a_deepspeed_run_imports_deepspeed(tmp_path):
     assert deepspeed_needed(["--config", str(broken)], launched_on_deepspeed=False)  # unreadable: kept
 
 
-def test_accelerates_unwrapping_still_imports_deepspeed(monkeypatch):
-    """Why skip_unused_deepspeed exists: accelerate's extract_model_from_parallel, which every run's set-up calls,
-    imports DeepSpeed whenever it is installed (1.2 CPU-s); kept out, accelerate finds it unavailable."""
-    pytest.importorskip("deepspeed")  # requirements-dev.txt installs it
-    code = ("import sys, torch; from accelerate.utils import extract_model_from_parallel; "
-            "assert 'deepspeed' not in sys.modules; m = torch.nn.Linear(2, 2); "
-            "assert extract_model_from_parallel(m) is m; print('deepspeed' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "True"
-    import importlib.util
-
-    from accelerate.utils import is_deepspeed_available
-
-    from sft_recipe.compat.unused_imports import skip_unused_deepspeed, skipped_imports
-
-    monkeypatch.setitem(sys.modules, "deepspeed", None)  # whatever was there comes back when the test ends
-    del sys.modules["deepspeed"]
-    assert skip_unused_deepspeed() and sys.modules["deepspeed"] is None and "deepspeed" in skipped_imports()
-    assert importlib.util.find_spec("deepspeed") is None and not is_deepspeed_available()
-
-
 def test_deepspeed_still_builds_its_cpu_inference_op_at_init(monkeypatch):
     """Why skip_cpu_inference_op_build exists: DeepSpeed's TorchBackend builds its shared-memory inference op while it
     starts (read in its source, without the import), and the CPU accelerator has a builder for it (a C++ build on a
@@ -257,63 +231,6 @@ def test_transformers_own_structure_survives_the_cache(tmp_path):
     assert read == scanned and frozenset() in read and any("llama.modeling_llama" in m for m in read.values())
 
 
-# A fresh process, as train.py starts: installed before transformers is imported, then every model file opened
-# for reading counted through `import transformers` and a model class; the last line prints the count and a digest of
-# what the lazy modules answer (transformers' names and where each class lives, transformers.models' names).
-_COUNT_MODEL_FILES_READ = (
-    "import builtins, hashlib, sys; real = builtins.open; opened = []; "
-    "builtins.open = lambda f, *a, **k: (opened.append(str(f)), real(f, *a, **k))[1]\n"
-    "if sys.argv[1] == 'cached':\n"
-    "    from sft_recipe.compat.models_import_structure import cache_models_import_structure as c\n"
-    "    from sft_recipe.config.launch_env import recipe_cache_dir; assert c(recipe_cache_dir())\n"
-    "import transformers, transformers.models; from transformers import LlamaConfig, Qwen2ForCausalLM\n"
-    "builtins.open = real\n"
-    "answers = repr((sorted(dir(transformers)), sorted(transformers._class_to_module.items()), "
-    "sorted(dir(transformers.models)), Qwen2ForCausalLM.__module__))\n"
-    "print(sum('/models/' in f and f.endswith('.py') for f in opened), hashlib.sha256(answers.encode()).hexdigest())")
-
-
-def test_a_launched_process_imports_the_models_without_scanning_them(tmp_path):
-    """In a fresh process, as train.py installs it: the first import scans twice (transformers', then
-    transformers.models') and writes both copies; the next reads them and never opens a model file's source for its
-    __all__; the lazy modules answer exactly as transformers' own scans made them."""
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    answers = {}
-    for run in ("cached", "cached", "plain"):
-        out = subprocess.run([sys.executable, "-c", _COUNT_MODEL_FILES_READ, run], capture_output=True, text=True,
-                             timeout=120, env=env, cwd=REPO)
-        assert out.returncode == 0, out.stderr[-2000:]
-        count, digest = out.stdout.strip().splitlines()[-1].split()
-        answers.setdefault(run, []).append((int(count), digest))
-    (first, first_answers), (second, second_answers) = answers["cached"]
-    (plain, plain_answers), = answers["plain"]
-    assert plain > 2 * 1500, plain  # without the cache: every model file read by each of the two scans
-    assert first > 2 * 1500 and second < 50, (first, second)  # the family's own few files are still read (its __init__)
-    assert first_answers == second_answers == plain_answers
-    copies = sorted(p.name.split("-models-")[0] for p in (tmp_path / "sft_recipe").glob("transformers-*.json"))
-    assert copies == [f"transformers-{transformers_version()}", f"transformers-{transformers_version()}-prefixed"]
-
-
-def transformers_version() -> str:
-    from importlib.metadata import version
-
-    return version("transformers")
-
-
-def test_where_transformers_is_imported_already_only_the_models_scan_is_left_to_save(tmp_path):
-    """Installed after `import transformers` (its own scan done): transformers.models' scan is still answered from
-    the copy; after transformers.models nothing is left, and it says so."""
-    code = ("import transformers; from sft_recipe.compat.models_import_structure import cache_models_import_structure "
-            "as c; from pathlib import Path; import sys; first = c(Path(sys.argv[1])); import transformers.models; "
-            "print(first, c(Path(sys.argv[1])))")
-    for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
-                             cwd=REPO)
-        assert out.returncode == 0, out.stderr[-2000:]
-        assert out.stdout.split()[-2:] == ["True", "False"]
-    assert [p.name.split("-models-")[0] for p in tmp_path.glob("*.json")] == [f"transformers-{transformers_version()}"]
-
-
 def test_a_compile_deferred_to_the_first_call_compiles_once_with_the_same_arguments():
     from sft_recipe.compat.deferred_compile import compile_on_first_call
 
@@ -339,25 +256,4 @@ def test_a_compile_deferred_to_the_first_call_compiles_once_with_the_same_argume
 
     assert triple(2) == ("compiled", 6) and compiled[-1] == ("triple", {"dynamic": True})
 
-
-def test_bitsandbytes_imported_compiling_on_first_use_leaves_inductor_out():
-    """What the deferral saves (0.85 CPU-s a QLoRA rank): bitsandbytes imported through it, torch's inductor is not
-    imported, and torch.compile is torch's own again."""
-    code = ("import sys, torch; real = torch.compile; "
-            "from sft_recipe.compat.deferred_compile import import_bitsandbytes_compiling_on_first_use as imp; "
-            "assert imp() and not imp(); assert torch.compile is real; "
-            "print('torch._inductor.compile_fx' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[2])
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "False"
-
-
-def test_importing_bitsandbytes_still_imports_inductor():
-    """Why skip_unused_bitsandbytes exists: importing bitsandbytes pulls in torch's inductor (0.7-0.8 CPU-s)."""
-    code = ("import sys, torch, torch._dynamo; assert 'torch._inductor.compile_fx' not in sys.modules; "
-            "import bitsandbytes; print('torch._inductor.compile_fx' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "True"
 
