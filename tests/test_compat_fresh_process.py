@@ -150,3 +150,23 @@ def test_a_deepspeed_run_imports_muon_compiling_on_first_use_and_leaves_inductor
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False True"
+
+
+def test_the_relaxation_lets_the_cpu_build_the_sync_init_and_pass_cpu_tensors():
+    code = """
+import torch, os
+os.environ["FSDP_VERSION"] = "1"
+from sft_recipe import compat
+compat.allow_fsdp1_module_sync_on_cpu()
+from accelerate.utils import FullyShardedDataParallelPlugin
+plugin = FullyShardedDataParallelPlugin(sync_module_states=True)
+module = torch.nn.Linear(2, 2, device="meta")
+plugin.param_init_fn(module)
+assert module.weight.device.type == "cpu", module.weight.device
+import torch.distributed.fsdp._init_utils as fsdp_init
+fsdp_init._check_module_states_for_sync_module_states([torch.zeros(2)])
+print("relaxed", compat.fsdp1_module_sync_allowed_on_cpu())
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "relaxed True" in proc.stdout

@@ -10,6 +10,7 @@ only need accelerate.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -267,3 +268,23 @@ def test_zero_init_gives_every_weight_the_configs_dtype_whatever_it_was_created_
                          timeout=180, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "bf16 torch.bfloat16" in out.stdout and "fp32 torch.float32" in out.stdout, out.stdout
+
+
+def test_deepspeed_scripts_check_before_accelerate_launch(tmp_path):
+    """bash run_peft_deepspeed.sh without DeepSpeed: exit 2 with the recipe's message, accelerate never started."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "accelerate").write_text("#!/usr/bin/env bash\ntouch \"$FAKE_LAUNCHED\"\n")
+    (bin_dir / "python").write_text(  # the real interpreter, with accelerate's helper answering "not installed"
+        f"#!/usr/bin/env bash\nexec {sys.executable} -c 'import sys, accelerate.commands.launch as l; "
+        "l.is_deepspeed_available = lambda: False; from sft_recipe.config.optional_deps import main; "
+        "sys.exit(main(sys.argv[3:]))' \"$@\"\n")
+    for tool in ("accelerate", "python"):
+        (bin_dir / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(REPO),
+           "FAKE_LAUNCHED": str(tmp_path / "launched"), "OUTPUT_DIR": str(tmp_path / "o")}
+    proc = subprocess.run(["bash", "run_peft_deepspeed.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "--config_file configs/deepspeed_config.yaml (distributed_type: DEEPSPEED): needs deepspeed" in proc.stderr
+    assert not (tmp_path / "launched").exists()
