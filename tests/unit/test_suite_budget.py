@@ -83,15 +83,20 @@ def test_the_launch_key_leaves_out_where_a_run_writes_and_which_port_it_talks_on
 
 def test_the_table_counts_launches_per_file_and_names_the_repeats():
     launch = ["accelerate", "launch", "train.py", "--seed", "3"]
-    records = [{"test": "tests/e2e/test_a.py::t1", "argv": launch, "recipe": True, "seconds": 10.0},
-               {"test": "tests/e2e/test_b.py::t2", "argv": launch, "recipe": True, "seconds": 12.0},
-               {"test": "tests/e2e/test_b.py::t3", "argv": [*launch[:-1], "4"], "recipe": True, "seconds": 11.0},
-               {"test": "tests/test_c.py::t4", "argv": ["bash", "-c", "true"], "recipe": False, "seconds": 0.5}]
-    lines = summarise(records)
+    records = [{"test": "tests/e2e/test_a.py::t1", "argv": launch, "recipe": True, "seconds": 10.0, "cpu_seconds": 9},
+               {"test": "tests/e2e/test_b.py::t2", "argv": launch, "recipe": True, "seconds": 12.0, "cpu_seconds": 15},
+               {"test": "tests/e2e/test_b.py::t3", "argv": [*launch[:-1], "4"], "recipe": True, "seconds": 11.0,
+                "cpu_seconds": None},  # reaped where it could not be read: counted as nothing
+               {"test": "tests/test_c.py::t4", "argv": ["bash", "-c", "true"], "recipe": False, "seconds": 0.5,
+                "cpu_seconds": 0.4}]
+    lines = summarise(records, pytest_cpu_seconds=120.4)
     assert lines[0] == "launches: 3 recipe launches in 33 s (2 distinct), 1 other processes in 0 s"
-    assert lines[2].split() == ["tests/e2e/test_b.py", "2", "23"] and lines[3].split() == ["tests/e2e/test_a.py", "1",
-                                                                                           "10"]
+    assert lines[2].split() == ["tests/e2e/test_b.py", "2", "23", "15"]
+    assert lines[3].split() == ["tests/e2e/test_a.py", "1", "10", "9"]
     assert lines[4].startswith("launched more than once (1 repeats)") and "test_a.py::t1" in lines[5]
+    assert lines[-1] == ("CPU-seconds (user + sys): recipe launches 24, other processes 0, the pytest processes "
+                         "themselves 120")
+    assert not summarise(records)[-1].startswith("CPU-seconds")  # without the pytest processes' own: no such line
     assert is_recipe_launch(["/v/bin/python", "tests/e2e/quantized_load_worker.py"])
     assert is_recipe_launch(["bash", "run_peft_fsdp.sh"]) and is_recipe_launch(["python", "-m", "sft_recipe.plan"])
     from tests.helpers import accelerate_launch  # the tests' launcher runs a bench script: still a recipe launch
@@ -124,3 +129,24 @@ def test_a_flag_from_the_recipe_yaml_counts_in_the_launchs_cell(tmp_path):
     for flag, name in (("--adapter_name_or_path", "adapter-start"), ("--resume_from_checkpoint", "resume")):
         assert cell_of([*argv, flag, "/tmp/pytest-7/run3"], {}) == ("train.py", "one process (python)", "model",
                                                                      f"{name}=*")
+
+
+def test_a_childs_cpu_seconds_are_read_as_it_is_reaped_with_its_own_children(monkeypatch):
+    """The recorded CPU of a process is the kernel's count for it and the processes it waited for (a launcher's
+    ranks), by wait or by poll; a child that only sleeps records almost none."""
+    import sys
+    import time
+
+    from tests import launch_budget
+
+    monkeypatch.setattr(launch_budget, "_RECORDS", [])
+    monkeypatch.setitem(launch_budget._CURRENT_TEST, "nodeid", "tests/unit/test_suite_budget.py::t")
+    burn = [sys.executable, "-c", "import time; end = time.process_time() + 0.3\nwhile time.process_time() < end: pass"]
+    launch_budget._TimedPopen(burn).wait()
+    polled = launch_budget._TimedPopen(["bash", "-c", " ".join(f"'{w}'" for w in burn) + "; sleep 0.2"])
+    while polled.poll() is None:
+        time.sleep(0.02)
+    launch_budget._TimedPopen(["sleep", "0.3"]).wait()
+    waited, by_poll, slept = launch_budget._RECORDS
+    assert waited["cpu_seconds"] >= 0.3 and by_poll["cpu_seconds"] >= 0.3  # the grandchild's 0.3 s counted
+    assert by_poll["seconds"] >= 0.5 and slept["seconds"] >= 0.3 and slept["cpu_seconds"] < 0.1
