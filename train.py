@@ -145,8 +145,8 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
     try:
         stopper.raise_if_stopped(training_args.output_dir, intact_checkpoints)
     except Diverged:
-        record.write(training_args.output_dir, final_save=None, run=run_facts(model_args, data_args, recipe_args,
-                                                                                training_args))
+        record.write(training_args.output_dir, final_save=None, plot=recipe_args.plot_loss_curve,
+                     run=run_facts(model_args, data_args, recipe_args, training_args))
         raise
 
     # 6. Save the FULL_STATE_DICT adapter (all ranks take part) and verify it before it replaces anything.
@@ -155,7 +155,7 @@ def main(argv: list[str] | None, launch: LaunchEnv) -> None:
                                         trust_remote_code=training_args.trust_remote_code)
     # quantization: merge_adapter.py reads it to merge a QLoRA/GPTQ adapter into the bf16 base, never the 4-bit one.
     record.write(training_args.output_dir, final_save=final_save,  # run_record.json + loss_curve.png
-                 run=run_facts(model_args, data_args, recipe_args, training_args))
+                 run=run_facts(model_args, data_args, recipe_args, training_args), plot=recipe_args.plot_loss_curve)
     if trainer.accelerator.is_main_process:  # this run finished: an earlier preemption note no longer applies
         Path(training_args.output_dir, PREEMPTED_FILE).unlink(missing_ok=True)
 

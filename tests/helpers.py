@@ -72,11 +72,20 @@ def run_command(cmd: list[str], output_dir: Path, env: dict | None = None, timeo
     return RunResult(proc.returncode, proc.stdout, output_dir)
 
 
+def without_loss_curve(args: list[str]) -> list[str]:
+    """train.py's flags with `--plot_loss_curve False` added unless they say: drawing loss_curve.png (matplotlib)
+    costs the main process ~0.5 CPU-s at every run's end, ~10 % of a one-process launch. The runs the tests read the
+    curve of ask for it (`--plot_loss_curve True`: tests/shared_runs.py, whose curves tests/e2e/test_train.py
+    checks); the README's commands and the run_peft*.sh scripts draw it as users' runs do."""
+    return list(args) if "--plot_loss_curve" in args else [*args, "--plot_loss_curve", "False"]
+
+
 def launch_train(config: str, output_dir: Path, args: list[str], env: dict | None = None,
                  launcher_args: tuple[str, ...] = ()) -> RunResult:
-    """`accelerate launch --config_file configs/<config> [launcher_args] train.py ...` through the real launcher."""
-    return launch_script(config, "train.py", ["--output_dir", str(output_dir), *args], output_dir, env,
-                         launcher_args)
+    """`accelerate launch --config_file configs/<config> [launcher_args] train.py ...` through the real launcher
+    (without the loss curve unless `args` ask for it: `without_loss_curve`)."""
+    return launch_script(config, "train.py", ["--output_dir", str(output_dir), *without_loss_curve(args)],
+                         output_dir, env, launcher_args)
 
 
 def open_log(path: Path):
@@ -91,8 +100,8 @@ def open_log(path: Path):
 def start_train(config: str, output_dir: Path, args: list[str], env: dict | None = None):
     """`launch_train` without waiting: (the launcher's Popen, its log open for reading beside output_dir), for tests
     that act on a run while it trains (signals, a second launch)."""
-    cmd = [*accelerate_launch(), "--config_file", str(REPO / "configs" / config),
-           "--main_process_port", str(free_port()), "train.py", "--output_dir", str(output_dir), *args]
+    cmd = [*accelerate_launch(), "--config_file", str(REPO / "configs" / config), "--main_process_port",
+           str(free_port()), "train.py", "--output_dir", str(output_dir), *without_loss_curve(args)]
     log = open_log(output_dir.parent / f"{output_dir.name}.log")
     return subprocess.Popen(cmd, cwd=REPO, env=env or launch_env(), stdout=log, stderr=subprocess.STDOUT,
                             text=True), log
@@ -127,6 +136,8 @@ def start_two_machines(config: str, script: str, args: list[str], log_dir: Path,
     """Two "machines" on this computer over loopback: `accelerate launch --config_file configs/<config>
     --num_machines 2 --machine_rank 0|1 ...` started at once, each with an environment of its own (its own datasets
     cache: `env` is added to a fresh launch_env()). Returns (launcher, its log open for reading) per machine."""
+    if script == "train.py":
+        args = without_loss_curve(args)
     port = str(free_port())
     machines = []
     for machine_rank in (0, 1):

@@ -49,8 +49,9 @@ class SharedLaunch:
 
 
 def _tiny(dataset: str, chat_format: str, *extra: str) -> tuple[str, ...]:
+    # Each draws its loss curve, as a user's run does: tests/e2e/test_train.py checks it on every engine.
     return ("--model_name_or_path", "{model}", "--dataset_name", "{" + dataset + "}", "--chat_template_format",
-            chat_format, *TRAIN_FLAGS, *extra)
+            chat_format, *TRAIN_FLAGS, "--plot_loss_curve", "True", *extra)
 
 
 # The runs that also report to TensorBoard: test_integrations reads their event files (one engine each).

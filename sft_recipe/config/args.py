@@ -200,6 +200,9 @@ class RecipeArguments:
     )
     stop_on_nonfinite: bool = field(default=True, metadata={
         "help": "Stop every rank at the first non-finite loss or gradient norm, saving nothing of it (exit 4)."})
+    plot_loss_curve: bool = field(default=True, metadata={
+        "help": "Draw loss_curve.png in output_dir at the end (matplotlib: ~0.5 CPU-s of the main process). False "
+                "for many short runs whose run_record.json holds the same losses."})
 
 
 ALIASES = {"max_seq_len": "max_length", "dtype": "torch_dtype"}

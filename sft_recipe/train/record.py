@@ -205,9 +205,9 @@ class RunRecord(TrainerCallback):
 
     # --- end of run -----------------------------------------------------------------------------------------------
 
-    def write(self, output_dir: str, *, run: dict, final_save: dict | None) -> dict:
+    def write(self, output_dir: str, *, run: dict, final_save: dict | None, plot: bool = True) -> dict:
         """Collective (every rank calls it): the memory peaks after the final save, then on the main process
-        run_record.json and loss_curve.png in output_dir, and the summary line in the log."""
+        run_record.json and (with `plot`) loss_curve.png in output_dir, and the summary line in the log."""
         self.set("run", **run)
         self.set("saves", final=final_save, checkpoints=self.trainer.checkpoint_save_costs)
         peaks = gather_per_rank(self.trainer.accelerator, [peak_memory_gib()])
@@ -219,7 +219,10 @@ class RunRecord(TrainerCallback):
             Path(output_dir).mkdir(parents=True, exist_ok=True)
             text = json.dumps(self.record, indent=2)
             write_atomically(Path(output_dir, RUN_RECORD), lambda tmp: tmp.write_text(text))
-            plot_losses(self.record, os.path.join(output_dir, LOSS_CURVE))
+            if plot:
+                plot_losses(self.record, os.path.join(output_dir, LOSS_CURVE))
+            else:  # a curve a previous run left here would pass for this run's
+                Path(output_dir, LOSS_CURVE).unlink(missing_ok=True)
             print(summary_line(self.record), flush=True)
         return self.record
 

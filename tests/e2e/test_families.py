@@ -128,6 +128,7 @@ def test_each_family_trains_saves_a_verified_adapter_that_loads_and_merges(runs,
     losses = result.record["training"]["losses"]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     assert result.record["weights"]["frozen_changed"] is False and result.record["weights"]["trainable_changed"]
+    assert not (result.output_dir / "loss_curve.png").exists()  # --plot_loss_curve False (tests.helpers.launch_train)
     model = AutoPeftModelForCausalLM.from_pretrained(str(result.output_dir))
     saved = load_file(str(result.output_dir / "adapter_model.safetensors"))
     loaded = {k: v for k, v in model.state_dict().items() if ".lora_" in k}

@@ -113,3 +113,29 @@ def test_the_checksum_sees_a_changed_value_and_a_permutation():
     assert int(t.view(torch.int32).sum()) == int(swapped.view(torch.int32).sum())  # what the plain sum would say
     big = torch.full((3 * 2**20 + 5,), -1.5e38, dtype=torch.float32)  # several chunks of extreme words
     assert 0 <= tensors_checksum([big]) < CHECKSUM_MODULUS
+
+
+def _finished_record() -> RunRecord:
+    """A record at a one-process run's end: write() needs the trainer's accelerator and checkpoint costs alone."""
+    from types import SimpleNamespace
+
+    import torch
+
+    record = object.__new__(RunRecord)
+    record.record = {name: {} for name in SECTIONS}
+    accelerator = SimpleNamespace(num_processes=1, is_main_process=True, device=torch.device("cpu"))
+    record.trainer = SimpleNamespace(accelerator=accelerator, checkpoint_save_costs=[])
+    facts = {**BASE, "distributed_type": "NO", "num_processes": 1, "losses": [3.0, 2.0], "loss_steps": [1, 2]}
+    for name, fields in SECTIONS.items():
+        record.set(name, **{k: v for k, v in facts.items() if k in fields})
+    return record
+
+
+def test_the_loss_curve_is_drawn_unless_the_run_says_not_and_then_no_earlier_one_stays(tmp_path):
+    _finished_record().write(str(tmp_path), run={}, final_save=None)
+    assert (tmp_path / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"  # the default: every run draws it
+    assert (tmp_path / "run_record.json").is_file()
+    # --plot_loss_curve False in the same folder: the record is written, the curve the first run drew is gone
+    (tmp_path / "run_record.json").unlink()
+    _finished_record().write(str(tmp_path), run={}, final_save=None, plot=False)
+    assert (tmp_path / "run_record.json").is_file() and not (tmp_path / "loss_curve.png").exists()
