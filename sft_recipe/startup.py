@@ -1,10 +1,10 @@
 """A launched process's start: what train.py decides before the libraries load.
 
-`prepare_imports(argv)`: the libraries import without Python's cyclic garbage collector (below); bitsandbytes, wandb
-and DeepSpeed stay out of a run that cannot use them (sft_recipe/compat/unused_imports.py), bitsandbytes' import-time
-compiles and those of DeepSpeed's Muon module wait for a first call that never comes (compat/deferred_compile.py),
-a DeepSpeed run does not compile DeepSpeed's CPU inference op (compat/deepspeed_cpu.py), and transformers and its
-model classes import without reading every model file (compat/models_import_structure.py).
+`prepare_imports(argv)`: the libraries import without Python's cyclic garbage collector (below); bitsandbytes, wandb,
+MLflow and DeepSpeed stay out of a run that cannot use them (sft_recipe/compat/unused_imports.py), bitsandbytes'
+import-time compiles and those of DeepSpeed's Muon module wait for a first call that never comes
+(compat/deferred_compile.py), a DeepSpeed run does not compile DeepSpeed's CPU inference op (compat/deepspeed_cpu.py),
+and transformers and its model classes import without reading every model file (compat/models_import_structure.py).
 
 The collector:
 
@@ -33,15 +33,20 @@ def prepare_imports(argv: list[str]) -> None:
     """Before the libraries load, for a run of train.py with `argv` (config.command_line reads it; anything it cannot
     read keeps the library): pause the collector, keep out or defer what the run cannot use."""
     pause_collector()
-    # These import sft_recipe.compat, hence torch and accelerate: neither imports bitsandbytes, wandb or DeepSpeed.
+    # These import sft_recipe.compat, hence torch and accelerate: none of bitsandbytes, wandb, mlflow, DeepSpeed.
     from sft_recipe.compat.deepspeed_cpu import skip_cpu_inference_op_build
     from sft_recipe.compat.deferred_compile import (
         import_bitsandbytes_compiling_on_first_use,
         import_muon_compiling_on_first_use,
     )
     from sft_recipe.compat.models_import_structure import cache_models_import_structure
-    from sft_recipe.compat.unused_imports import skip_unused_bitsandbytes, skip_unused_deepspeed, skip_unused_wandb
-    from sft_recipe.config.command_line import bitsandbytes_needed, deepspeed_needed, wandb_needed
+    from sft_recipe.compat.unused_imports import (
+        skip_unused_bitsandbytes,
+        skip_unused_deepspeed,
+        skip_unused_mlflow,
+        skip_unused_wandb,
+    )
+    from sft_recipe.config.command_line import bitsandbytes_needed, deepspeed_needed, mlflow_needed, wandb_needed
     from sft_recipe.config.launch_env import may_use_deepspeed, recipe_cache_dir
 
     if not bitsandbytes_needed(argv):  # before PEFT imports it (0.8 CPU-s a rank)
@@ -50,6 +55,8 @@ def prepare_imports(argv: list[str]) -> None:
         import_bitsandbytes_compiling_on_first_use()
     if not wandb_needed(argv):  # before TRL imports it (0.27 CPU-s a rank)
         skip_unused_wandb()
+    if not mlflow_needed(argv):  # before DeepSpeed's autotuner imports it (0.9 CPU-s a DeepSpeed rank)
+        skip_unused_mlflow()
     if not deepspeed_needed(argv, may_use_deepspeed()):  # before accelerate imports it (1.2 CPU-s a rank)
         skip_unused_deepspeed()
     else:  # before accelerate starts it: no C++ build of an op training never calls (21 s on a fresh CPU machine)

@@ -193,7 +193,8 @@ def test_zero3_trains_what_fsdp2_trains_and_the_adapter_loads(tiny, shared_run, 
     data = ["--model_name_or_path", str(tiny.model_dir), "--dataset_name", str(tiny.jsonl_dir)]
     zero3 = shared_run("lora-zero3")  # TRAIN_FLAGS + CPU_DEEPSPEED on the tiny jsonl data, reporting to TensorBoard
     assert SHARED_LAUNCHES["lora-zero3"].train_args(tiny) == [*data, "--chat_template_format", "none",
-                                                              *SHARED_TRAIN_FLAGS, *CPU_DEEPSPEED, *TENSORBOARD]
+                                                              *SHARED_TRAIN_FLAGS, "--plot_loss_curve", "True",
+                                                              *CPU_DEEPSPEED, *TENSORBOARD]
     assert zero3.returncode == 0, zero3.output[-5000:]
     facts = zero3.record
     # Really DeepSpeed, on both ranks: not DDP, not one process.
@@ -201,6 +202,7 @@ def test_zero3_trains_what_fsdp2_trains_and_the_adapter_loads(tiny, shared_run, 
     assert (how["distributed_type"], how["wrapped_class"], how["num_processes"]) == \
         ("DEEPSPEED", "DeepSpeedEngine", 2)
     assert "deepspeed" not in facts["run"]["skipped_imports"]  # a DeepSpeed launch keeps what it runs on
+    assert "mlflow" in facts["run"]["skipped_imports"]  # ...not what its autotuner would import (compat.unused_imports)
     # ...but not the shared-memory op of DeepSpeed inference: no rank built or loaded it (compat/deepspeed_cpu.py)
     assert "deepspeed_shm_comm" not in zero3.output
     assert facts["weights"]["frozen_changed"] is False and facts["weights"]["trainable_changed"] is True

@@ -60,6 +60,7 @@ from sft_recipe.compat.trl_prepare import without_rank_barriers
 from sft_recipe.compat.unused_imports import (
     skip_unused_bitsandbytes,
     skip_unused_deepspeed,
+    skip_unused_mlflow,
     skip_unused_wandb,
     skipped_imports,
 )
@@ -132,6 +133,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround("skip_unused_wandb", "trl", ">=1.16", "1.16.0",
                "tests/unit/test_compat.py::test_importing_trls_trainer_still_imports_wandb fails (TRL no longer "
                "imports wandb at import: nothing left to save by not importing it)"),
+    Workaround("skip_unused_mlflow", "deepspeed", ">=0.19", "0.19.8",
+               "tests/unit/test_compat.py::test_deepspeeds_config_still_imports_mlflow_through_its_autotuner fails "
+               "(DeepSpeed no longer imports mlflow with its config: nothing left to save by not importing it)"),
     Workaround("skip_unused_deepspeed", "accelerate", ">=1.0", "1.15.0",
                "tests/test_compat_fresh_process.py::test_accelerates_unwrapping_still_imports_deepspeed fails "
                "(accelerate no longer imports DeepSpeed to unwrap a model: nothing left to save by not importing it)"),
@@ -272,6 +276,7 @@ __all__ = [
     "quantize_each_weight_on", "quantized_base_device_map", "save_embedding_layers_for", "without_rank_barriers",
     "restore_bnb_4bit_storage_layout", "strip_wrapper_segments", "trainable_tokens_lm_head_bias",
     "trainer_override_drift", "import_bitsandbytes_compiling_on_first_use", "skip_unused_bitsandbytes",
-    "skip_unused_deepspeed", "skip_unused_wandb", "skip_cpu_inference_op_build", "import_muon_compiling_on_first_use",
+    "skip_unused_deepspeed", "skip_unused_mlflow", "skip_unused_wandb",
+    "skip_cpu_inference_op_build", "import_muon_compiling_on_first_use",
     "cache_models_import_structure", "collect_token_rows_off_cuda", "skipped_imports",
 ]

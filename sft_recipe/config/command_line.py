@@ -82,12 +82,21 @@ def wandb_needed(argv: list[str]) -> bool:
     """Whether a run of train.py with `argv` may report to W&B (--report_to names wandb, or all, which transformers
     expands to what is installed), read before the libraries load (True where the recipe YAML cannot be read).
     sft_recipe/compat/unused_imports.py says why a run that does not should not import it."""
+    return _may_report_to(argv, "wandb")
+
+
+def mlflow_needed(argv: list[str]) -> bool:
+    """Whether a run of train.py with `argv` may report to MLflow: as wandb_needed, for mlflow."""
+    return _may_report_to(argv, "mlflow")
+
+
+def _may_report_to(argv: list[str], reporter: str) -> bool:
     yaml_values = _recipe_yaml(argv)
     if yaml_values is None:
         return True
     value = value_of(argv, "report_to", yaml_values.get("report_to"))
     names = value if isinstance(value, list) else str(value or "").replace(",", " ").split()
-    return any(str(name).strip() in ("wandb", "all") for name in names)
+    return any(str(name).strip() in (reporter, "all") for name in names)
 
 
 def deepspeed_needed(argv: list[str], launched_on_deepspeed: bool) -> bool:

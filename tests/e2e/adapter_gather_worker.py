@@ -106,10 +106,11 @@ def main() -> None:
 
     prepare_tool_imports()  # as train.py (sft_recipe/startup.py): no cyclic collector, the models scan cached
     from sft_recipe.compat.deepspeed_cpu import skip_cpu_inference_op_build
-    from sft_recipe.compat.unused_imports import skip_unused_deepspeed, skip_unused_wandb
+    from sft_recipe.compat.unused_imports import skip_unused_deepspeed, skip_unused_mlflow, skip_unused_wandb
     from sft_recipe.config.launch_env import may_use_deepspeed, read_launch_env
 
     skip_unused_wandb()  # as train.py keeps out what a run does not use: it reports to none
+    skip_unused_mlflow()
     if not may_use_deepspeed():  # and DeepSpeed off its own launch
         skip_unused_deepspeed()
     else:  # and on it, builds no DeepSpeed CPU inference op

@@ -63,10 +63,10 @@ def test_train_save_verify_reload(name, tiny, shared_run):
     assert "could not run" not in result.output  # every pre-load check ran (sft_recipe.errors.check_not_run)
     facts = result.record
     # A run that quantizes nothing never imports bitsandbytes (sft_recipe/compat/unused_imports.py); QLoRA does.
-    # what the run cannot use stays out of its processes: bitsandbytes without quantization, wandb without W&B,
-    # DeepSpeed off a DeepSpeed launch (tests/test_deepspeed.py: a ZeRO-3 run keeps it)
-    assert facts["run"]["skipped_imports"] == (["wandb", "deepspeed"] if name.startswith("q") else
-                                               ["bitsandbytes", "wandb", "deepspeed"])
+    # what the run cannot use stays out of its processes: bitsandbytes without quantization, wandb and mlflow
+    # without W&B or MLflow, DeepSpeed off a DeepSpeed launch (tests/test_deepspeed.py: a ZeRO-3 run keeps it)
+    assert facts["run"]["skipped_imports"] == (["wandb", "mlflow", "deepspeed"] if name.startswith("q") else
+                                               ["bitsandbytes", "wandb", "mlflow", "deepspeed"])
     # The libraries imported without the cyclic collector, and what they made is never walked again
     # (sft_recipe/startup.py): torch, transformers, PEFT, TRL and datasets leave more than 300,000 objects.
     assert facts["run"]["imports_frozen"] is True

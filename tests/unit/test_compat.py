@@ -133,6 +133,54 @@ def test_importing_trls_trainer_still_imports_wandb(monkeypatch):
     assert importlib.util.find_spec("wandb") is None and not is_wandb_available()
 
 
+def test_only_a_run_that_reports_to_mlflow_imports_it(tmp_path):
+    from sft_recipe.config.command_line import mlflow_needed
+
+    assert mlflow_needed(["--report_to", "mlflow"]) and mlflow_needed(["--report_to=tensorboard,mlflow"])
+    assert mlflow_needed(["--report_to", "all"])  # transformers expands it to what is installed
+    assert not mlflow_needed([]) and not mlflow_needed(["--report_to", "wandb"])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("report_to: [mlflow]\n")
+    assert mlflow_needed(["--config", str(recipe)])
+    assert not mlflow_needed(["--config", str(recipe), "--report_to", "none"])  # the command line wins
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("report_to: [\n")
+    assert mlflow_needed(["--config", str(broken)])  # unreadable: kept
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The modules a source file imports at module level, a try block's included (`from ..x.y import z`: "x.y")."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        for inner in [node, *(node.body if isinstance(node, ast.Try) else [])]:
+            if isinstance(inner, ast.Import):
+                names.update(alias.name for alias in inner.names)
+            elif isinstance(inner, ast.ImportFrom):
+                names.add(inner.module or "")
+    return names
+
+
+def test_deepspeeds_config_still_imports_mlflow_through_its_autotuner(monkeypatch):
+    """Why skip_unused_mlflow exists: DeepSpeed's config module imports its autotuning package, whose autotuner
+    imports mlflow at module level whenever it is installed (read in their source, without DeepSpeed's import); kept
+    out, the autotuner and transformers find it unavailable."""
+    import importlib.metadata
+    import importlib.util
+
+    from transformers.integrations import is_mlflow_available
+
+    deepspeed_dir = Path(importlib.metadata.distribution("deepspeed").locate_file("deepspeed"))  # found unimported
+    assert "autotuning.config" in _top_level_imports(deepspeed_dir / "runtime" / "config.py")
+    assert "autotuner" in _top_level_imports(deepspeed_dir / "autotuning" / "__init__.py")
+    assert "mlflow" in _top_level_imports(deepspeed_dir / "autotuning" / "autotuner.py")
+    from sft_recipe.compat.unused_imports import skip_unused_mlflow, skipped_imports
+
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # whatever was there comes back when the test ends
+    del sys.modules["mlflow"]
+    assert skip_unused_mlflow() and sys.modules["mlflow"] is None and "mlflow" in skipped_imports()
+    assert importlib.util.find_spec("mlflow") is None and not is_mlflow_available()
+
+
 def test_only_a_deepspeed_run_imports_deepspeed(tmp_path):
     from sft_recipe.config.command_line import deepspeed_needed
     from sft_recipe.config.launch_env import may_use_deepspeed
