@@ -1,7 +1,8 @@
 """Preemption and faults lose nothing.
 
-- SIGTERM / SIGUSR1 sent to ONE rank of a 2-rank FSDP run: all ranks stop at the same step, write a complete
-  checkpoint, exit 75 with a message saying how to resume; resuming matches a run that was never interrupted.
+- SIGTERM / SIGUSR1 sent to ONE rank of a 2-rank FSDP run (rank 1, then rank 0 of the resumed run): all ranks stop
+  at the same step, write a complete checkpoint, exit 75 with a message saying how to resume; resuming matches a run
+  that was never interrupted.
 - SIGKILL of one rank: the launcher and the surviving rank exit within a bounded time, and the last complete
   checkpoint is intact and is what `--resume_from_checkpoint latest` picks.
 """
@@ -55,13 +56,13 @@ def uninterrupted(tiny, tmp_path_factory):
     return result.record["training"]["losses"]
 
 
-@pytest.mark.parametrize("signum,rank", [(signal.SIGTERM, 1), (signal.SIGUSR1, 0)])
-def test_signal_on_one_rank_checkpoints_and_resumes_exactly(signum, rank, tiny, tmp_path, uninterrupted):
-    out = tmp_path / "run"
-    launcher, log = _start(tiny, out, ["--save_strategy", "no"])
+def _preempt(tiny, out, signum, rank, extra) -> int:
+    """Start a run into `out`, send `signum` to global rank `rank` once it has trained a step, and check that every
+    rank stopped at one step with a complete checkpoint and the resume command; returns that step."""
+    launcher, log = _start(tiny, out, ["--save_strategy", "no", *extra])
     try:
         pid = rank_pid(launcher, rank)
-        wait_for_training(log, steps=2)
+        wait_for_training(log, steps=2 if not extra else 1)
         os.kill(pid, signum)
         launcher.wait(timeout=180)
     finally:
@@ -77,9 +78,21 @@ def test_signal_on_one_rank_checkpoints_and_resumes_exactly(signum, rank, tiny, 
     checkpoint, _ = latest_complete_checkpoint(out)
     assert checkpoint is not None, output[-3000:]
     stopped_at = int(checkpoint.name.split("-")[1])
-    assert 2 <= stopped_at < 30
     assert not (out / "adapter_model.safetensors").exists()  # no final adapter from an unfinished run
     assert json.loads((out / "preempted.json").read_text())["global_step"] == stopped_at
+    return stopped_at
+
+
+def test_a_signal_on_either_rank_checkpoints_and_two_preemptions_resume_exactly(tiny, tmp_path, uninterrupted):
+    """SIGTERM to rank 1, then SIGUSR1 to rank 0 (the main process) in the resumed run: each stops every rank at
+    one step with a complete checkpoint (exit 75); the second resume finishes and matches the uninterrupted run at
+    every step after the first stop, the preempted-and-resumed run's steps included. One launch serves both signals:
+    each rank's path is still taken, and a resumed run is preempted again."""
+    out = tmp_path / "run"
+    first = _preempt(tiny, out, signal.SIGTERM, 1, [])
+    assert 2 <= first < 30
+    second = _preempt(tiny, out, signal.SIGUSR1, 0, ["--resume_from_checkpoint", "latest"])
+    assert first < second < 30  # the resumed run trained on from the first stop before the second
 
     resumed = launch_train(CONFIG, out, ["--model_name_or_path", str(tiny.model_dir), "--dataset_name",
                                          str(tiny.jsonl_dir), *FLAGS, "--save_strategy", "no",
@@ -87,7 +100,7 @@ def test_signal_on_one_rank_checkpoints_and_resumes_exactly(signum, rank, tiny, 
     assert resumed.returncode == 0, resumed.output[-4000:]
     losses = resumed.record["training"]["losses"]
     assert len(losses) == 30 and not (out / "preempted.json").exists()
-    for step in range(stopped_at, 30):
+    for step in range(first, 30):
         assert abs(losses[step] - uninterrupted[step]) <= RELATIVE_TOLERANCE * abs(uninterrupted[step]), step + 1
 
 
