@@ -75,8 +75,8 @@ def run_command(cmd: list[str], output_dir: Path, env: dict | None = None, timeo
 def without_loss_curve(args: list[str]) -> list[str]:
     """train.py's flags with `--plot_loss_curve False` added unless they say: drawing loss_curve.png (matplotlib)
     costs the main process ~0.5 CPU-s at every run's end, ~10 % of a one-process launch. The runs the tests read the
-    curve of ask for it (`--plot_loss_curve True`: tests/shared_runs.py, whose curves tests/e2e/test_train.py
-    checks); the README's commands and the run_peft*.sh scripts draw it as users' runs do."""
+    curve of ask for it (`--plot_loss_curve True`: the shared runs, whose curves tests/e2e/test_train.py checks);
+    the README's commands and the run_peft*.sh scripts draw it as users' runs do."""
     return list(args) if "--plot_loss_curve" in args else [*args, "--plot_loss_curve", "False"]
 
 

@@ -49,9 +49,8 @@ class SharedLaunch:
 
 
 def _tiny(dataset: str, chat_format: str, *extra: str) -> tuple[str, ...]:
-    # Each draws its loss curve, as a user's run does: tests/e2e/test_train.py checks it on every engine.
     return ("--model_name_or_path", "{model}", "--dataset_name", "{" + dataset + "}", "--chat_template_format",
-            chat_format, *TRAIN_FLAGS, "--plot_loss_curve", "True", *extra)
+            chat_format, *TRAIN_FLAGS, *extra)
 
 
 # The runs that also report to TensorBoard: test_integrations reads their event files (one engine each).
@@ -127,7 +126,10 @@ class SharedRuns:
                     # TensorBoard writes under output_dir/runs/ unless the caller's environment sends it elsewhere
                     env = {k: v for k, v in {**launch_env(launch.cpu_switch), **launch.env}.items()
                            if k != "TENSORBOARD_LOGGING_DIR"}
-                    result = launch_train(launch.config, output_dir, launch.train_args(self.tiny), env=env)
+                    # Each draws its loss curve, as a user's run does (tests/e2e/test_train.py checks it on every
+                    # engine); the launches its readers derive from train_args do not (tests.helpers.launch_train).
+                    result = launch_train(launch.config, output_dir,
+                                          [*launch.train_args(self.tiny), "--plot_loss_curve", "True"], env=env)
                     snapshot = _snapshot(output_dir) if output_dir.exists() else {}
                     result_file.write_text(json.dumps({"returncode": result.returncode, "output": result.output,
                                                        "snapshot": snapshot}))
