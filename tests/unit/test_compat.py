@@ -97,20 +97,21 @@ def test_only_a_run_known_not_to_use_bitsandbytes_skips_it(tmp_path):
     assert bitsandbytes_needed([])
 
 
-def test_only_a_run_that_reports_to_wandb_imports_it(tmp_path):
-    from sft_recipe.config.command_line import wandb_needed
+@pytest.mark.parametrize("reporter, other", [("wandb", "tensorboard"), ("mlflow", "wandb")])
+def test_only_a_run_that_reports_to_a_tracker_imports_it(tmp_path, reporter, other):
+    from sft_recipe.config import command_line
 
-    assert wandb_needed(["--report_to", "wandb"]) and wandb_needed(["--report_to=tensorboard,wandb"])
-    assert wandb_needed(["--report_to", "all"])  # transformers expands it to what is installed
-    assert not wandb_needed([]) and not wandb_needed(["--report_to", "none"])
-    assert not wandb_needed(["--report_to", "tensorboard"])
+    needed = getattr(command_line, f"{reporter}_needed")
+    assert needed(["--report_to", reporter]) and needed([f"--report_to={other},{reporter}"])
+    assert needed(["--report_to", "all"])  # transformers expands it to what is installed
+    assert not needed([]) and not needed(["--report_to", "none"]) and not needed(["--report_to", other])
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("report_to: [tensorboard, wandb]\n")
-    assert wandb_needed(["--config", str(recipe)])
-    assert not wandb_needed(["--config", str(recipe), "--report_to", "none"])  # the command line wins
+    recipe.write_text(f"report_to: [{other}, {reporter}]\n")
+    assert needed(["--config", str(recipe)])
+    assert not needed(["--config", str(recipe), "--report_to", "none"])  # the command line wins
     broken = tmp_path / "broken.yaml"
     broken.write_text("report_to: [\n")
-    assert wandb_needed(["--config", str(broken)])  # unreadable: kept
+    assert needed(["--config", str(broken)])  # unreadable: kept
 
 
 def test_importing_trls_trainer_still_imports_wandb(monkeypatch):
@@ -131,21 +132,6 @@ def test_importing_trls_trainer_still_imports_wandb(monkeypatch):
     del sys.modules["wandb"]
     assert skip_unused_wandb() and sys.modules["wandb"] is None and "wandb" in skipped_imports()
     assert importlib.util.find_spec("wandb") is None and not is_wandb_available()
-
-
-def test_only_a_run_that_reports_to_mlflow_imports_it(tmp_path):
-    from sft_recipe.config.command_line import mlflow_needed
-
-    assert mlflow_needed(["--report_to", "mlflow"]) and mlflow_needed(["--report_to=tensorboard,mlflow"])
-    assert mlflow_needed(["--report_to", "all"])  # transformers expands it to what is installed
-    assert not mlflow_needed([]) and not mlflow_needed(["--report_to", "wandb"])
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("report_to: [mlflow]\n")
-    assert mlflow_needed(["--config", str(recipe)])
-    assert not mlflow_needed(["--config", str(recipe), "--report_to", "none"])  # the command line wins
-    broken = tmp_path / "broken.yaml"
-    broken.write_text("report_to: [\n")
-    assert mlflow_needed(["--config", str(broken)])  # unreadable: kept
 
 
 def _top_level_imports(path: Path) -> set[str]:
