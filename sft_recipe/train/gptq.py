@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 from pathlib import Path
 
 GPTQ_PACKAGES = ("optimum", "gptqmodel")
@@ -113,10 +114,19 @@ def build_tiny_gptq(source: str | Path, dest: str | Path, group_size: int = 32) 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPTQConfig
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        # GPT-QModel 7.7 on CPU otherwise JIT-compiles two C++ extensions the first time on a machine: its block
+        # packer (~20 CPU-s; the Python packer writes the same bytes) and, while "auto" picks the kernel the
+        # quantized model is handed back with, the AVX512 inference kernel (~75 CPU-s). The plain torch kernel
+        # needs neither, and the checkpoint it saves is byte-identical (cmp of both builds, 2026-12-07). Training
+        # through --gptq_backend auto_trainable still compiles the AVX512 kernel once per machine: GPT-QModel
+        # validates it before it reads that the kernel cannot train (docs/testing.md).
+        os.environ.setdefault("GPTQMODEL_DISABLE_PACK_EXT", "1")
     tokenizer = AutoTokenizer.from_pretrained(source)
     calibration = [f"calibration sample {i}: the quick brown fox answers question {i}" for i in range(16)]
-    config = GPTQConfig(bits=4, group_size=group_size, dataset=calibration, tokenizer=tokenizer, desc_act=False)
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU GPT-QModel compiles its kernels once (~1 min)
+    config = GPTQConfig(bits=4, group_size=group_size, dataset=calibration, tokenizer=tokenizer, desc_act=False,
+                        backend="gptq_torch" if device == "cpu" else "auto")
     model = AutoModelForCausalLM.from_pretrained(source, quantization_config=config, device_map=device,
                                                  dtype=torch.float32)
     dest = Path(dest)
