@@ -67,9 +67,25 @@ class RunResult:
 
 
 def run_command(cmd: list[str], output_dir: Path, env: dict | None = None, timeout: int = 600) -> RunResult:
-    proc = subprocess.run(cmd, cwd=REPO, env=env or launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=timeout)
-    return RunResult(proc.returncode, proc.stdout, output_dir)
+    """Run `cmd` to its end. Past `timeout` it is killed with every process under it, then TimeoutExpired (with
+    the output) is raised: subprocess.run's timeout kills the launcher alone, and its ranks lived on, orphaned,
+    holding their memory and ports for the rest of the suite (seen under `make coverage`, 2026-12-07: a rank and
+    its tokenizing worker, 50 minutes after their test failed)."""
+    import psutil
+
+    with subprocess.Popen(cmd, cwd=REPO, env=env or launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as proc:
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for child in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+                try:
+                    child.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            output, _ = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, output=output) from None
+    return RunResult(proc.returncode, output, output_dir)
 
 
 def without_loss_curve(args: list[str]) -> list[str]:
