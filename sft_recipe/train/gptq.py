@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 from pathlib import Path
 
 GPTQ_PACKAGES = ("optimum", "gptqmodel")
@@ -115,14 +114,10 @@ def build_tiny_gptq(source: str | Path, dest: str | Path, group_size: int = 32) 
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPTQConfig
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        # GPT-QModel 7.7 on CPU otherwise JIT-compiles two C++ extensions the first time on a machine: its block
-        # packer (~20 CPU-s; the Python packer writes the same bytes) and, while "auto" picks the kernel the
-        # quantized model is handed back with, the AVX512 inference kernel (~75 CPU-s). The plain torch kernel
-        # needs neither, and the checkpoint it saves is byte-identical (cmp of both builds, 2026-12-07). Training
-        # through --gptq_backend auto_trainable still compiles the AVX512 kernel once per machine: GPT-QModel
-        # validates it before it reads that the kernel cannot train (docs/testing.md).
-        os.environ.setdefault("GPTQMODEL_DISABLE_PACK_EXT", "1")
+    # On CPU, GPT-QModel 7.7's "auto" hands the quantized model back with its AVX512 inference kernel, which it
+    # JIT-compiles the first time on a machine (~75 CPU-s); the plain torch kernel needs no compile, and the checkpoint
+    # saved is byte-identical (cmp of both builds, 2026-12-07). Its block packer is compiled too (~20 CPU-s) unless
+    # GPTQMODEL_DISABLE_PACK_EXT=1 (the Python packer, same bytes): tests/test_gptq.py sets it for its build.
     tokenizer = AutoTokenizer.from_pretrained(source)
     calibration = [f"calibration sample {i}: the quick brown fox answers question {i}" for i in range(16)]
     config = GPTQConfig(bits=4, group_size=group_size, dataset=calibration, tokenizer=tokenizer, desc_act=False,
