@@ -78,9 +78,9 @@ def run_command(cmd: list[str], output_dir: Path, env: dict | None = None, timeo
         try:
             output, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            for child in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+            for process in process_tree(proc):
                 try:
-                    child.kill()
+                    process.kill()
                 except psutil.NoSuchProcess:
                     pass
             output, _ = proc.communicate()
