@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+from pathlib import PosixPath
 
 import numpy as np
 import pytest
@@ -75,6 +76,30 @@ def test_a_real_dcp_index_passes_the_allow_list(tmp_path):
     _dcp_checkpoint(tmp_path / "pytorch_model_fsdp_0")
     assert (tmp_path / "pytorch_model_fsdp_0" / ".metadata").is_file()
     assert unsafe_dcp_metadata(tmp_path) == []
+
+
+class _ByGetattr:
+    """Pickles as `getattr(target, name)`: the form CPython 3.11.2 gives an enum member (3.11.7: by value)."""
+
+    def __init__(self, target, name):
+        self.target, self.name = target, name
+
+    def __reduce__(self):
+        return getattr, (self.target, self.name)
+
+
+def test_an_enum_member_pickled_by_getattr_passes_and_no_other_getattr_does(tmp_path):
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    folder = tmp_path / "pytorch_model_fsdp_0"
+    folder.mkdir()
+    index = folder / ".metadata"
+    index.write_bytes(pickle.dumps({"format": _ByGetattr(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")}))
+    assert b"getattr" in index.read_bytes() and unsafe_dcp_metadata(tmp_path) == []
+    # an admitted type's method, which the next opcode would call: PosixPath.write_text(path, text)
+    index.write_bytes(pickle.dumps(_ByGetattr(PosixPath, "write_text")))
+    (problem,) = unsafe_dcp_metadata(tmp_path)
+    assert "builtins.getattr(<class 'pathlib.PosixPath'>, 'write_text') is not part of" in problem
 
 
 class _RunsCode:
