@@ -3,8 +3,10 @@ the shipped script in one process and under FSDP1 on 2 processes, the merge refu
 
 GPT-QModel 7.7 + optimum 2.3 (what transformers 5.24 loads GPTQ through) quantize and train on CPU here, but
 gptqmodel declares torch>=2.14.1 while the recipe pins 2.13.0: scripts/setup_gptq.sh installs them with --no-deps into
-.venv/gptq-site, which only these runs put on PYTHONPATH (the rest of the suite never sees them). On a fresh machine
-the fixture pays ~75 s once for GPT-QModel's CPU kernels (compiled, then cached in ~/.cache/gptqmodel).
+.venv/gptq-site, which only these runs put on PYTHONPATH (the rest of the suite never sees them). The runs build no
+GPT-QModel kernel, on a fresh machine too (each gets an empty kernel folder): the quantization uses the torch kernel
+and the Python packer, and the training's kernel choice no longer compiles the AVX512 inference kernel on its way to
+a trainable one (sft_recipe/compat/gptq_kernels.py; it cost ~80 CPU-s on every new machine).
 The checks up front need no GPTQ library: a config that says `quant_method: gptq` is enough.
 """
 
@@ -58,7 +60,8 @@ def test_lora_on_a_gptq_base_in_one_process_and_under_fsdp(gptq_model, tiny, tmp
     for name, config in (("single", "configs/cpu/single.yaml"), ("fsdp1", "configs/cpu/fsdp_config.yaml")):
         out = tmp_path / name
         env = _gptq_env(MODEL=str(gptq_model), DATASET=str(tiny.jsonl_dir), OUTPUT_DIR=str(out),
-                        ACCELERATE_CONFIG=config, NUM_PROCESSES="1" if name == "single" else "2")
+                        ACCELERATE_CONFIG=config, NUM_PROCESSES="1" if name == "single" else "2",
+                        GPTQMODEL_TORCH_EXTENSIONS_DIR=str(tmp_path / "kernels"))  # as on a machine that built none
         result = run_command(["bash", "run_peft_fsdp_gptq.sh", *TINY], out, env=env)
         assert result.returncode == 0, result.output[-5000:]
         # Loaded quantized: transformers reports checkpoint keys it could not place (qweight ...) and Linear weights
@@ -66,6 +69,8 @@ def test_lora_on_a_gptq_base_in_one_process_and_under_fsdp(gptq_model, tiny, tmp
         assert "UNEXPECTED" not in result.output and "MISSING" not in result.output
         assert "adapter check OK" in result.output
         runs[name] = result
+    built = [p.name for p in (tmp_path / "kernels").rglob("*") if p.is_file()]
+    assert built == [], f"GPT-QModel built kernels while loading for training: {built}"
     single, fsdp = runs["single"].record, runs["fsdp1"].record
     assert (single["distribution"]["num_processes"], single["run"]["quantization"]) == (1, "gptq")
     how = fsdp["distribution"]
@@ -83,6 +88,54 @@ def test_lora_on_a_gptq_base_in_one_process_and_under_fsdp(gptq_model, tiny, tmp
     result = merge_adapter(tmp_path / "single", tmp_path / "merged", log=lambda *_: None,
                            base_model_name_or_path=str(tiny.model_dir))
     assert (tmp_path / "merged" / "config.json").is_file() and result is not None
+
+
+# Which candidate kernels GPT-QModel's trainable choice validates, with each validate_once (where a kernel is built)
+# spied on: an inference-only kernel's stands in for its build (no minutes spent), the others run.
+_KERNEL_CHOICE = """
+import json, sys
+import torch
+from gptqmodel.models._const import DEVICE
+from gptqmodel.quantization import FORMAT, METHOD
+from gptqmodel.utils import BACKEND
+from gptqmodel.utils.importer import AUTO_BACKEND_KERNEL_MAPPING, select_quant_linear
+
+candidates = list(AUTO_BACKEND_KERNEL_MAPPING[METHOD.GPTQ][FORMAT.GPTQ].values())
+built = []
+for cls in candidates:
+    def spy(kls, real=cls.__dict__.get("validate_once")):
+        built.append(kls)
+        if not kls.SUPPORTS_TRAINING:
+            return True, None
+        return real.__func__(kls) if real is not None else (True, None)
+    cls.validate_once = classmethod(spy)
+
+def choose():
+    for cls in candidates:
+        cls.cached_validate_once.__func__.cache_clear()
+    built.clear()
+    chosen = select_quant_linear(bits=4, group_size=32, desc_act=False, sym=True, device=DEVICE.CPU,
+                                 backend=BACKEND.AUTO_TRAINABLE, pack_dtype=torch.int32, dtype=torch.float32)
+    return {"chosen": chosen.__name__, "built_untrainable": [k.__name__ for k in built if not k.SUPPORTS_TRAINING]}
+
+upstream = choose()
+from sft_recipe.compat.gptq_kernels import check_trainability_before_building
+patched_now, patched_again = check_trainability_before_building(), check_trainability_before_building()
+print(json.dumps({"upstream": upstream, "patched": choose(), "calls": [patched_now, patched_again]}))
+"""
+
+
+def test_gpt_qmodel_builds_no_kernel_it_cannot_train_with(gptq_model):
+    """compat.check_trainability_before_building: GPT-QModel 7.7's own choice builds the AVX512 inference kernel (its
+    validate_once) before it reads SUPPORTS_TRAINING; with the workaround nothing untrainable is built and the
+    choice is the same. When the first assertion fails, GPT-QModel checks first itself: the workaround can go."""
+    proc = subprocess.run([sys.executable, "-c", _KERNEL_CHOICE], cwd=REPO, env=_gptq_env(PYTHONPATH=f"{SITE}:{REPO}"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "TorchCpuAvx512Linear" in facts["upstream"]["built_untrainable"], facts
+    assert facts["patched"] == {"chosen": facts["upstream"]["chosen"], "built_untrainable": []}, facts
+    assert facts["calls"] == [True, False]  # patched once, however often the loading asks
 
 
 @pytest.fixture()

@@ -44,6 +44,7 @@ from sft_recipe.compat.fsdp2_adapters import (
     set_requires_grad_fsdp2,
 )
 from sft_recipe.compat.fsdp2_buffers import load_persistent_buffers_apart
+from sft_recipe.compat.gptq_kernels import check_trainability_before_building
 from sft_recipe.compat.models_import_structure import cache_models_import_structure
 from sft_recipe.compat.peft_embeddings import save_embedding_layers_for
 from sft_recipe.compat.peft_names import (
@@ -179,6 +180,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround("set_requires_grad_fsdp2", "peft", ">=0.21", "0.21.2",
                "tests/e2e/test_fsdp2_adapters.py::test_pitfall_plain_set_adapter_after_an_eval_forward_trains_the_"
                "lm_head_lora_once fails (PEFT reshards a gathered FSDP2 unit before it flips requires_grad)"),
+    Workaround("check_trainability_before_building", "gptqmodel", ">=7.7", "7.7.0",
+               "tests/test_gptq.py::test_gpt_qmodel_builds_no_kernel_it_cannot_train_with finds GPT-QModel's own "
+               "validate reads SUPPORTS_TRAINING before it builds a kernel (called by train/gptq.py's loading)"),
     Workaround("disable_adapter_fsdp2", "peft", ">=0.21", "0.21.2",
                "tests/e2e/test_fsdp2_adapters.py::test_pitfall_plain_set_adapter_after_an_eval_forward_trains_the_"
                "lm_head_lora_once fails (PEFT reshards a gathered FSDP2 unit before it flips requires_grad)"),
@@ -266,6 +270,7 @@ def installed() -> bool:
 
 __all__ = [
     "TRAINER_OVERRIDES", "WORKAROUNDS", "adapter_parameters", "allow_fsdp1_module_sync_on_cpu",
+    "check_trainability_before_building",
     "check_optimizer_covers", "disable_adapter_fsdp2", "reshard_fsdp2_units", "set_adapter_fsdp2",
     "set_requires_grad_fsdp2", "enable_fsdp_on_cpu",
     "exit_skipping_teardown", "gather_full_state_dict",

@@ -101,6 +101,11 @@ def loading_kwargs(m, trust_remote_code: bool = False) -> dict:
 
     from sft_recipe.model.shape import read_config
 
+    if m.gptq_backend == TRAINABLE_BACKEND:  # no inference-only kernel built on the way (~75 CPU-s on a new CPU box)
+        from sft_recipe.compat.gptq_kernels import check_trainability_before_building
+
+        check_trainability_before_building()
+
     saved = read_config(m.model_name_or_path, trust_remote_code).quantization_config
     saved = saved if isinstance(saved, dict) else saved.to_dict()
     # Only loading attributes (backend) are taken from this object; the quantization itself comes from the checkpoint.
