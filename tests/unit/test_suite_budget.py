@@ -150,3 +150,28 @@ def test_a_childs_cpu_seconds_are_read_as_it_is_reaped_with_its_own_children(mon
     waited, by_poll, slept = launch_budget._RECORDS
     assert waited["cpu_seconds"] >= 0.3 and by_poll["cpu_seconds"] >= 0.3  # the grandchild's 0.3 s counted
     assert by_poll["seconds"] >= 0.5 and slept["seconds"] >= 0.3 and slept["cpu_seconds"] < 0.1
+
+
+def test_the_start_up_floor_counts_one_launcher_and_each_rank_on_its_machine():
+    """bench/suite_floor.py: the processes a launch starts, read from the accelerate config the suite ships (2 ranks,
+    1 for the one-process config, 1 per machine for the two-machine one) and the launcher's own flags."""
+    import sys
+
+    from tests.helpers import REPO
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from suite_floor import kind_of
+
+    def launch(config: str, *extra: str) -> list[str]:
+        return ["python", "tests/accelerate_launcher.py", "--config_file", str(REPO / "configs" / "cpu" / config),
+                *extra, "train.py", "--max_steps", "3"]
+
+    assert kind_of(launch("fsdp2_config.yaml")) == ("train.py under the launcher", 2)
+    assert kind_of(launch("fsdp_config.yaml", "--num_processes", "4")) == ("train.py under the launcher", 4)
+    assert kind_of(launch("single.yaml")) == ("train.py under the launcher", 1)
+    assert kind_of(launch("multi_node_fsdp_config.yaml", "--machine_rank", "1")) == ("train.py under the launcher", 1)
+    worker = launch("fsdp2_config.yaml")
+    worker[worker.index("train.py")] = "tests/e2e/disk_full_worker.py"
+    assert kind_of(worker) == ("a test worker or bench/train_*.py under the launcher", 2)
+    assert kind_of(["python", "train.py", "--help"]) == ("train.py, one process", 0)
+    assert kind_of(["bash", "run_peft_fsdp.sh", "--bf16", "True"]) == ("other programs (not modelled)", None)
