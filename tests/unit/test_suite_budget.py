@@ -175,3 +175,5 @@ def test_the_start_up_floor_counts_one_launcher_and_each_rank_on_its_machine():
     assert kind_of(worker) == ("a test worker or bench/train_*.py under the launcher", 2)
     assert kind_of(["python", "train.py", "--help"]) == ("train.py, one process", 0)
     assert kind_of(["bash", "run_peft_fsdp.sh", "--bf16", "True"]) == ("other programs (not modelled)", None)
+    gone = ["python", "tests/accelerate_launcher.py", "--config_file", "/nonexistent/edited.yaml", "train.py"]
+    assert kind_of(gone)[1] is None  # its ranks are unknown: not priced as one process
