@@ -14,7 +14,7 @@ A launch through the launcher pays one launcher start plus one train.py start pe
 imports what train.py does, as bench/train_*.py do) run without it, one train.py start. Bench scripts and
 run_peft*.sh start a varying number of processes: shown, not modelled. The share moves with the hour the start-up is
 measured at against the hour of the log (2026-12-07: 84 % for run 13's log measured 20 minutes after it at the
-day's slow hour, 67 % for run 15's measured right after it): measure right after the suite, and read it as a range.
+day's slow hour, 71-75 % for run 15's measured right after it): measure right after the suite, and read it as a range.
 """
 
 from __future__ import annotations
@@ -73,6 +73,21 @@ def kind_of(argv: list[str]) -> tuple[str, int | None]:
     return f"{program} under the launcher", ranks_per_machine(argv)
 
 
+def tally(records: list[dict], train_s: float, launcher_s: float) -> dict[str, list[float]]:
+    """kind -> [launches, processes, measured CPU-s, start-up floor CPU-s]; processes and floor 0 where not modelled."""
+    rows: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
+    for record in records:
+        kind, ranks = kind_of(record["argv"])
+        row = rows[kind]
+        row[0] += 1
+        row[2] += record["cpu_seconds"]
+        if ranks is None:
+            continue
+        row[1] += ranks + 1 if ranks else 1  # the launcher and its ranks, or the one process
+        row[3] += launcher_s + ranks * train_s if ranks else train_s
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("log", help="the PYTEST_LAUNCH_LOG of a suite run")
@@ -82,23 +97,14 @@ def main() -> int:
     train_s, launcher_s = start_up_seconds(args.rounds)
     print(f"start-up, median of {args.rounds}: train.py {train_s:.2f} CPU-s, accelerate launcher {launcher_s:.2f} "
           f"CPU-s\n")
-    rows: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])  # launches, processes, measured, floor
-    for record in records:
-        kind, ranks = kind_of(record["argv"])
-        row = rows[kind]
-        row[0] += 1
-        row[2] += record["cpu_seconds"]
-        if ranks is None:
-            continue
-        row[1] += max(ranks, 1) + (1 if ranks else 0)
-        row[3] += (launcher_s + ranks * train_s) if ranks else train_s
+    rows = tally(records, train_s, launcher_s)
     print("| launches of | launches | processes | measured CPU-s | start-up floor CPU-s | floor / measured |")
     print("|---|---|---|---|---|---|")
     for kind, (launches, processes, measured, floor) in sorted(rows.items(), key=lambda kv: -kv[1][2]):
         modelled = f"{processes} | {measured:.0f} | {floor:.0f} | {floor / measured:.0%}" if floor else \
             f"- | {measured:.0f} | - | -"
         print(f"| {kind} | {launches} | {modelled} |")
-    modelled = [row for kind, row in rows.items() if not kind.startswith("other")]
+    modelled = [row for row in rows.values() if row[3]]  # launches priced above; the rest are shown only
     measured, floor = sum(r[2] for r in modelled), sum(r[3] for r in modelled)
     print(f"\nmodelled launches: start-up {floor:.0f} of {measured:.0f} CPU-s ({floor / measured:.0%}); "
           f"all launches {sum(r[2] for r in rows.values()):.0f} CPU-s")

@@ -160,7 +160,7 @@ def test_the_start_up_floor_counts_one_launcher_and_each_rank_on_its_machine():
     from tests.helpers import REPO
 
     sys.path.insert(0, str(REPO / "bench"))
-    from suite_floor import kind_of
+    from suite_floor import kind_of, tally
 
     def launch(config: str, *extra: str) -> list[str]:
         return ["python", "tests/accelerate_launcher.py", "--config_file", str(REPO / "configs" / "cpu" / config),
@@ -177,3 +177,8 @@ def test_the_start_up_floor_counts_one_launcher_and_each_rank_on_its_machine():
     assert kind_of(["bash", "run_peft_fsdp.sh", "--bf16", "True"]) == ("other programs (not modelled)", None)
     gone = ["python", "tests/accelerate_launcher.py", "--config_file", "/nonexistent/edited.yaml", "train.py"]
     assert kind_of(gone)[1] is None  # its ranks are unknown: not priced as one process
+    rows = tally([{"argv": launch("fsdp2_config.yaml"), "cpu_seconds": 9.0}, {"argv": gone, "cpu_seconds": 7.0},
+                  {"argv": ["python", "train.py"], "cpu_seconds": 4.0}], train_s=3.0, launcher_s=1.0)
+    assert rows["train.py under the launcher"] == [1, 3, 9.0, 7.0]  # the launcher + 2 ranks at 3
+    assert rows["train.py, one process"] == [1, 1, 4.0, 3.0]
+    assert [row[1:4:2] for kind, row in rows.items() if "gone" in kind] == [[0, 0.0]]  # shown, priced at nothing
